@@ -1,0 +1,134 @@
+"""Attention plumbing: save the post-RoPE queries, own the mask, then call the model's usual attention function.
+
+:func:`install` registers, in transformers' attention-function registry, a wrapper ``vase_<impl>`` around the
+model's current implementation (``sdpa``, ``eager``, ``flash_attention_2``/``3``) and switches the model to it; it also
+registers a forward pre-hook on the decoder that hands the 2-D padding mask to an :class:`~vase.EvictingCache`. No
+model code is copied and no forward is patched.
+
+When the keys handed to the wrapper come from an :class:`~vase.cache.EvictingLayer` update (checked by identity), the
+wrapper (1) saves the queries in that layer's ring, (2) replaces the logical mask transformers built by one over the
+physical slots, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache
+(or none) it calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+_MASK_KIND = {"sdpa": "bool", "eager": "additive", "flash_attention_2": "padding", "flash_attention_3": "padding"}
+_PREFIX = "vase_"
+_handoff = threading.local()
+
+
+def hand_off(layer, key: torch.Tensor) -> None:
+    """Called by an EvictingLayer's update: the next attention call with this very ``key`` tensor is its."""
+    _handoff.item = (layer, key)
+
+
+def _take(key: torch.Tensor):
+    item = getattr(_handoff, "item", None)
+    if item is not None and item[1] is key:
+        _handoff.item = None
+        return item[0]
+    return None
+
+
+def _fallback_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain eager attention (used only if a model's modeling file defines no ``eager_attention_forward``)."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return out, weights
+
+
+def _base_function(base: str, module):
+    if base == "eager":
+        modeling = sys.modules.get(type(module).__module__)
+        return getattr(modeling, "eager_attention_forward", None) or _fallback_eager
+    return AttentionInterface._global_mapping[base]
+
+
+def _make_wrapper(base: str):
+    kind = _MASK_KIND[base]
+
+    def vase_attention(module, query, key, value, attention_mask, **kwargs):
+        layer = _take(key)
+        fn = _base_function(base, module)
+        if layer is None:
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        layer.record_queries(query, kwargs.get("scaling"))
+        mask = layer.attention_mask(kind, query.dtype)
+        out = fn(module, query, key, value, mask, **kwargs)
+        layer.after_attention()
+        return out
+
+    vase_attention.__name__ = f"vase_{base}_attention"
+    vase_attention.__doc__ = f"vase wrapper around transformers' {base!r} attention (see vase.attention)."
+    return vase_attention
+
+
+def _pre_hook(module, args, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    begin = getattr(cache, "_begin_forward", None)
+    if begin is None:
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ref = ids if ids is not None else kwargs.get("inputs_embeds")
+    if ref is None:
+        return None
+    begin(model=module, batch=ref.shape[0], q=ref.shape[1], attention_mask=kwargs.get("attention_mask"))
+    return None
+
+
+def base_implementation(model) -> str:
+    """The attention implementation vase wraps on ``model`` (``sdpa``, ``eager``, ...)."""
+    impl = model.config._attn_implementation
+    return impl[len(_PREFIX):] if impl and impl.startswith(_PREFIX) else impl
+
+
+def install(model) -> str:
+    """Make ``model`` use vase's attention wrapper around its current implementation; idempotent.
+
+    Returns the registered implementation name (``vase_sdpa``, ...).
+
+    Raises:
+        ValueError: if the model's attention implementation is not one vase can wrap.
+    """
+    base = base_implementation(model)
+    if base not in BASE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation {base!r} is not supported by vase; load the model with "
+            f"attn_implementation one of {', '.join(BASE_IMPLEMENTATIONS)}"
+        )
+    name = _PREFIX + base
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _make_wrapper(base))
+        mask_base = "eager" if base == "eager" else ("sdpa" if base == "sdpa" else "flash_attention_2")
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    decoder = decoder if decoder is not None else model
+    if not getattr(decoder, "_vase_hooked", False):
+        decoder.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        decoder._vase_hooked = True
+    return name
+
+
+def uninstall(model) -> None:
+    """Switch ``model`` back to its base attention implementation (the hook stays; it is inert without a vase cache)."""
+    base = base_implementation(model)
+    if model.config._attn_implementation != base:
+        model.set_attn_implementation(base)

@@ -1,0 +1,808 @@
+"""The evicting KV cache: a ``transformers`` :class:`~transformers.Cache` with a static footprint.
+
+Per layer, keys and values live in buffers ``[batch, kv_heads, budget + buffer, head_dim]`` allocated once, in the
+model's dtype and on its device; they never move or grow while generating (VaSE, arXiv 2606.03928, Sec. 3.3).
+
+Bookkeeping, shared by all layers because every layer sees the same tokens on the same schedule:
+
+* the *logical* length (tokens seen, padding columns included) drives RoPE positions and ``get_seq_length``;
+* the *physical* fill of each row (slots holding real tokens, packed at the front in position order);
+* each slot remembers the logical position of its token (per layer and KV head, since heads keep different tokens).
+
+Schedule. A decode step writes its token in place at the row's fill. After the attention of that step, a row whose
+fill reached ``budget + buffer`` is compacted in place back to ``budget``: its first ``sinks`` tokens and its last
+``buffer`` tokens stay, the policy chooses the rest, per (layer, KV head), the same count for every head. Several new
+tokens at once (prefill, chat continuation) are attended together with the cache, then written packed: padding takes
+no slot, and a row that does not fit is compressed by the same policy right away (observation window = the last
+queries of the prompt). ``compress_prompt=False`` keeps the prompt dense instead (capacity = max(prompt, budget) +
+buffer, as the paper's code does) and evicts from the first compaction on.
+
+Each row evicts on its own schedule with its own random key, so a row of a ragged batch behaves exactly as it would
+alone. Scoring needs no attention weights from the kernel: :mod:`vase.attention` saves the post-RoPE queries.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import attention as attn
+from . import rng
+from .policies import make_policy
+from .policy import Policy
+from .scoring import EvictionContext
+from .selection import pack_valid, structural_masks
+
+SUPPORTED_LAYER_TYPES = ("full_attention",)
+
+
+@dataclass
+class CacheStats:
+    """What a cache holds and has done, for a user to read after a run.
+
+    Attributes:
+        policy: policy name.
+        budget, buffer: tokens.
+        batch: batch rows.
+        layers: cached layers.
+        tokens_seen: logical length (tokens per row, padding columns included).
+        real_tokens: real (non-padding) tokens seen by each row.
+        slots_held: largest number of filled slots of a row, right now (tokens).
+        capacity: slots allocated per row and layer (tokens).
+        evictions: forward passes in which at least one row evicted.
+        tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
+        bytes_held: bytes of the key/value buffers allocated, all layers.
+        bytes_full: bytes a full (dynamic) cache would hold for the same tokens, all layers.
+        eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
+    """
+
+    policy: str
+    budget: int
+    buffer: int
+    batch: int
+    layers: int
+    tokens_seen: int
+    real_tokens: list[int]
+    slots_held: int
+    capacity: int
+    evictions: int
+    tokens_evicted: int
+    bytes_held: int
+    bytes_full: int
+    eviction_seconds: float
+
+    @property
+    def compression(self) -> float:
+        """Full-cache bytes over bytes held (>1 means savings)."""
+        return self.bytes_full / self.bytes_held if self.bytes_held else 1.0
+
+    def line(self) -> str:
+        """A one-line human summary."""
+        mib = 2.0**20
+        return (
+            f"policy {self.policy}, budget {self.budget}+{self.buffer}: {self.evictions} evictions, "
+            f"{self.tokens_seen} tokens seen, {self.slots_held}/{self.capacity} slots held, "
+            f"KV {self.bytes_held / mib:.1f} MiB vs full {self.bytes_full / mib:.1f} MiB ({self.compression:.2f}x)"
+        )
+
+
+@dataclass
+class _Step:
+    """The plan of one forward pass, computed once and executed by every layer."""
+
+    q: int
+    append: bool  # one token per row written in place; else staged (attend over old + new, then write packed)
+    fill_before: list[int]
+    counts: list[int]  # real new tokens per row
+    keep: list[int]  # filled slots per row after this step
+    evict_rows: list[int]
+    seen_before: int
+    real_before: list[int]  # real tokens each row had seen: the logical position of its next token
+    new_valid: torch.Tensor | None  # [B, q] bool, None = all real
+    uniform: bool  # all rows have the same fill and no padding: no mask needed
+    device: torch.device
+    capacity: int
+    layers_done: int = 0
+    _memo: dict = field(default_factory=dict)
+
+    @property
+    def p_old(self) -> int:
+        return max(self.fill_before) if self.fill_before else 0
+
+    def tensor(self, name: str, values: Sequence[int]) -> torch.Tensor:
+        if name not in self._memo:
+            self._memo[name] = torch.tensor(values, dtype=torch.long, device=self.device)
+        return self._memo[name]
+
+    def new_positions(self) -> torch.Tensor:
+        """``[B, q]`` int64 logical position of each new token in its row (padding repeats its neighbour's)."""
+        if "new_positions" not in self._memo:
+            base = self.tensor("real_before", self.real_before).view(-1, 1)
+            if self.new_valid is None:
+                offs = torch.arange(self.q, device=self.device).view(1, -1)
+            else:
+                offs = (self.new_valid.long().cumsum(-1) - 1).clamp_min(0)
+            self._memo["new_positions"] = base + offs
+        return self._memo["new_positions"]
+
+    def latest_positions(self) -> torch.Tensor:
+        """``[B]`` logical position of each row's newest token after this step."""
+        return self.tensor("latest", [r + c - 1 for r, c in zip(self.real_before, self.counts)])
+
+    def kv_valid(self) -> torch.Tensor | None:
+        """``[B, kv_len]`` bool validity of the key/value slots the attention kernel sees this step."""
+        if "kv_valid" not in self._memo:
+            fill = self.tensor("fill_before", self.fill_before)
+            if self.append:
+                p = self.p_old + 1
+                valid = torch.arange(p, device=self.device).view(1, p) <= fill.view(-1, 1)
+            else:
+                old = torch.arange(self.p_old, device=self.device).view(1, -1) < fill.view(-1, 1)
+                new = self.new_valid
+                if new is None:
+                    new = torch.ones((len(self.fill_before), self.q), dtype=torch.bool, device=self.device)
+                valid = torch.cat([old, new], dim=1)
+            self._memo["kv_valid"] = valid
+        return self._memo["kv_valid"]
+
+    def mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The attention mask over physical slots, in the form the base attention function expects.
+
+        ``kind`` 'bool': ``[B, 1, q, kv_len]`` (sdpa); 'additive': same shape, 0 / dtype-min (eager);
+        'padding': ``[B, kv_len]`` int (flash-attention). None when no mask is needed.
+        """
+        if self.uniform and (self.append or (self.p_old == 0 and kind != "additive")):
+            return None  # eager has no causal flag: it always gets a mask for several new tokens
+        key = (kind, dtype)
+        if key in self._memo:
+            return self._memo[key]
+        valid = self.kv_valid()
+        if kind == "padding":
+            out = valid.to(torch.int32)
+        else:
+            if self.append:
+                m = valid[:, None, None, :]
+            else:
+                p, q = self.p_old, self.q
+                i = torch.arange(q, device=self.device).view(q, 1)
+                j = torch.arange(p + q, device=self.device).view(1, p + q)
+                causal = (j < p) | (j - p <= i)
+                m = valid[:, None, None, :] & causal
+                m = m | (j - p == i)  # a padding query attends to itself only, so no row is empty (no NaN)
+            out = m if kind == "bool" else torch.zeros(m.shape, dtype=dtype, device=self.device).masked_fill_(
+                ~m, torch.finfo(dtype).min
+            )
+        self._memo[key] = out
+        return out
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One layer of an :class:`EvictingCache`. Created by the cache; not meant to be built directly.
+
+    Tensors (allocated at the first update, never reallocated, except by the growing ``full`` policy):
+        keys, values: ``[B, kv_heads, capacity, head_dim]`` model dtype.
+        positions: ``[B, kv_heads, capacity]`` int64 logical position of each slot.
+        queries: ``[B, q_heads, window, head_dim]`` ring of the last ``window`` post-RoPE queries (if the policy
+            needs them), with ``query_positions`` ``[window]`` and ``query_valid`` ``[B, window]``.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "EvictingCache", layer_idx: int):
+        super().__init__()
+        self._cache_ref = weakref.ref(cache)
+        self.layer_idx = layer_idx
+        self.positions: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.row_memo: dict[str, torch.Tensor] = {}
+        self.queries = self.query_positions = self.query_valid = None
+        self._q_next = 0
+        self.scaling: float | None = None
+        self._staged = None
+        self._awaiting_attention = False
+        self.last_eviction: dict | None = None
+
+    @property
+    def cache(self) -> "EvictingCache":
+        return self._cache_ref()
+
+    # ----------------------------------------------------------------------------------------------- allocation
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        c = self.cache
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.head_dim = key_states.shape[-1]
+        self._allocate(c.capacity, key_states.dtype, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _allocate(self, capacity: int, dtype: torch.dtype, v_dim: int) -> None:
+        b, h, dev = self.batch_size, self.num_heads, self.device
+        self.keys = torch.zeros((b, h, capacity, self.head_dim), dtype=dtype, device=dev)
+        self.values = torch.zeros((b, h, capacity, v_dim), dtype=dtype, device=dev)
+        self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
+        self.state = {n: torch.zeros((b, h, capacity), dtype=torch.float32, device=dev) for n in self.cache.policy.state_names}
+        self.row_memo = {"acc_upto": torch.full((b,), -1, dtype=torch.long, device=dev)}
+
+    def _grow(self, capacity: int) -> None:
+        """Only for the non-evicting ``full`` policy: move to larger buffers."""
+        old = (self.keys, self.values, self.positions, self.state)
+        n = self.keys.shape[2]
+        self._allocate(capacity, self.keys.dtype, self.values.shape[-1])
+        self.keys[:, :, :n] = old[0]
+        self.values[:, :, :n] = old[1]
+        self.positions[:, :, :n] = old[2]
+        for k, v in old[3].items():
+            self.state[k][:, :, :n] = v
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2] if self.is_initialized else 0
+
+    # -------------------------------------------------------------------------------------------------- update
+    @torch.no_grad()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take the new keys/values ``[B, kv_heads, q, head_dim]`` (post-RoPE) and return what attention must see.
+
+        One decode token per row: written in place, returns views ``[B, kv_heads, P, head_dim]`` of the buffers
+        (P = largest fill + 1). Several tokens: returns the old entries concatenated with the new ones; they are
+        written (and the cache compressed if needed) right after the attention.
+
+        Raises:
+            RuntimeError: if vase's attention function did not run after the previous update (the model's
+                attention implementation was changed after the cache was made).
+        """
+        c = self.cache
+        if self._awaiting_attention:
+            raise RuntimeError(
+                "vase's attention function did not run after the last cache update of layer "
+                f"{self.layer_idx}: the model's attention implementation was changed after the EvictingCache was "
+                "created. Build the cache again with EvictingCache(model, ...), or call vase.attention.install(model)."
+            )
+        step = c._step_for(key_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif self.capacity < step.capacity and not c.policy.evicts:
+            self._grow(step.capacity)
+        if step.append:
+            out_k, out_v = self._append(step, key_states, value_states)
+        else:
+            p = step.p_old
+            if p == 0:
+                out_k, out_v = key_states, value_states
+            else:
+                out_k = torch.cat([self.keys[:, :, :p], key_states], dim=2)
+                out_v = torch.cat([self.values[:, :, :p], value_states], dim=2)
+            self._staged = (out_k, out_v)
+        self._awaiting_attention = True
+        attn.hand_off(self, out_k)
+        return out_k, out_v
+
+    def _append(self, step: _Step, k: torch.Tensor, v: torch.Tensor):
+        p = step.p_old + 1
+        if step.uniform:
+            f = step.fill_before[0]
+            self.keys[:, :, f : f + 1].copy_(k)
+            self.values[:, :, f : f + 1].copy_(v)
+            if len(set(step.real_before)) == 1:
+                self.positions[:, :, f].fill_(step.real_before[0])
+            else:
+                self.positions[:, :, f : f + 1].copy_(step.new_positions().unsqueeze(1).expand(-1, k.shape[1], 1))
+        else:
+            b, h = k.shape[:2]
+            slot = step.tensor("fill_before", step.fill_before).view(b, 1, 1)
+            self.keys.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, k.shape[-1]), k)
+            self.values.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, v.shape[-1]), v)
+            self.positions.scatter_(2, slot.expand(b, h, 1), step.new_positions().unsqueeze(1).expand(b, h, 1))
+        return self.keys[:, :, :p], self.values[:, :, :p]
+
+    # -------------------------------------------------------------------------------- called by vase.attention
+    @torch.no_grad()
+    def record_queries(self, query: torch.Tensor, scaling: float | None) -> None:
+        """Save the last ``window`` post-RoPE queries ``[B, q_heads, q, head_dim]`` of this step in the ring."""
+        c = self.cache
+        step = c._step
+        self.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        w = c.window
+        if w == 0:
+            return
+        b, hq, q, d = query.shape
+        if self.queries is None:
+            self.queries = torch.zeros((b, hq, w, d), dtype=query.dtype, device=query.device)
+            self.query_positions = torch.full((b, w), -1, dtype=torch.long, device=query.device)
+            self.query_valid = torch.zeros((b, w), dtype=torch.bool, device=query.device)
+        m = min(q, w)
+        if m == 1:
+            i = self._q_next
+            self.queries[:, :, i : i + 1].copy_(query[:, :, -1:])
+            if len(set(step.real_before)) == 1 and step.new_valid is None:
+                self.query_positions[:, i].fill_(step.real_before[0] + q - 1)
+            else:
+                self.query_positions[:, i].copy_(step.new_positions()[:, -1])
+            self.query_valid[:, i] = True if step.new_valid is None else step.new_valid[:, -1]
+        else:
+            idx = torch.arange(self._q_next, self._q_next + m, device=query.device) % w
+            self.queries.index_copy_(2, idx, query[:, :, -m:])
+            self.query_positions.index_copy_(1, idx, step.new_positions()[:, -m:])
+            valid = step.new_valid[:, -m:] if step.new_valid is not None else torch.ones(
+                (b, m), dtype=torch.bool, device=query.device
+            )
+            self.query_valid.index_copy_(1, idx, valid)
+        self._q_next = (self._q_next + m) % w
+
+    def attention_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask over physical slots for this step (see :meth:`_Step.mask`)."""
+        return self.cache._step.mask(kind, dtype)
+
+    @torch.no_grad()
+    def after_attention(self) -> None:
+        """Write staged tokens and compact the rows that reached capacity; then mark this layer done."""
+        c = self.cache
+        step = c._step
+        self._awaiting_attention = False
+        t0 = time.perf_counter() if step.evict_rows else None
+        if step.append:
+            if step.evict_rows:
+                self._compact_rows(step)
+        else:
+            self._write_staged(step)
+        self._staged = None
+        if t0 is not None:
+            if c.profile and self.keys.is_cuda:
+                torch.cuda.synchronize(self.keys.device)
+            c._eviction_seconds += time.perf_counter() - t0
+        c._layer_done(self)
+
+    # ----------------------------------------------------------------------------------------------- eviction
+    def _context(self, step, rows, keys, values, positions, valid, state, memo) -> EvictionContext:
+        c = self.cache
+        forced, candidates = structural_masks(valid, c.sinks, c.buffer)
+        sel_rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=keys.device)
+        pick = (lambda t: t) if sel_rows is None else (lambda t: t.index_select(0, sel_rows))
+        q = qp = qv = None
+        if self.queries is not None:
+            q, qp, qv = pick(self.queries), pick(self.query_positions), pick(self.query_valid)
+        evs = step.tensor("row_evictions", c._row_evictions)
+        ctx = EvictionContext(
+            keys=keys, values=values, positions=positions, valid=valid, candidates=candidates,
+            queries=q, query_positions=qp, query_valid=qv,
+            scaling=self.scaling or self.head_dim**-0.5, layer_idx=self.layer_idx, budget=c.budget,
+            row_keys=pick(c._row_keys_tensor(keys.device)), eviction_index=pick(evs),
+            state=state, memo={"latest_query": pick(step.latest_positions()), "acc_upto": memo},
+        )
+        return ctx, forced
+
+    def _select(self, step, rows, keys, values, positions, valid, state) -> torch.Tensor:
+        """Policy selection for ``rows`` (None = all); returns slot indices ``[r, H, budget]``."""
+        c = self.cache
+        sel_rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=keys.device)
+        memo = self.row_memo["acc_upto"] if sel_rows is None else self.row_memo["acc_upto"].index_select(0, sel_rows)
+        ctx, forced = self._context(step, rows, keys, values, positions, valid, state, memo)
+        r = keys.shape[0]
+        keep = torch.full((r,), c.budget, dtype=torch.long, device=keys.device)
+        sel = c.policy.select(ctx, keep, c.budget, forced)
+        upto = ctx.memo["acc_upto"]
+        if sel_rows is None:
+            self.row_memo["acc_upto"].copy_(upto)
+        else:
+            self.row_memo["acc_upto"].index_copy_(0, sel_rows, upto)
+        if c.record_evictions:
+            self.last_eviction = {
+                "rows": list(range(r)) if rows is None else list(rows),
+                "positions": positions.clone(),
+                "values": values.clone(),
+                "valid": valid.clone(),
+                "candidates": ctx.candidates.clone(),
+                "forced": forced.clone(),
+                "protected": None if sel.protected is None else sel.protected.clone(),
+                "scores": None if sel.scores is None else sel.scores.clone(),
+                "kept": sel.indices.clone(),
+                "kept_positions": positions.gather(2, sel.indices),
+                "n_protect": c.policy.guard.count(c.budget) if c.policy.guard is not None else 0,
+            }
+        return sel.indices
+
+    def _write(self, rows, idx: torch.Tensor, keep: list[int], keys, values, positions, state) -> None:
+        """Gather ``idx`` ``[r, H, kmax]`` from the source tensors into slots ``[0, kmax)`` of ``rows`` in place."""
+        r, h, kmax = idx.shape
+        k = keys.gather(2, idx.unsqueeze(-1).expand(r, h, kmax, keys.shape[-1]))
+        v = values.gather(2, idx.unsqueeze(-1).expand(r, h, kmax, values.shape[-1]))
+        p = positions.gather(2, idx)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=idx.device).view(r, 1, 1)
+        free = torch.arange(kmax, device=idx.device).view(1, 1, kmax) >= keep_t
+        p = p.masked_fill(free, -1)
+        st = {n: s.gather(2, idx).masked_fill(free, 0.0) for n, s in state.items()}
+        if rows is None:
+            self.keys[:, :, :kmax].copy_(k)
+            self.values[:, :, :kmax].copy_(v)
+            self.positions[:, :, :kmax].copy_(p)
+            self.positions[:, :, kmax:].fill_(-1)
+            for n, s in st.items():
+                self.state[n][:, :, :kmax].copy_(s)
+                self.state[n][:, :, kmax:].zero_()
+        else:
+            rt = torch.tensor(rows, dtype=torch.long, device=idx.device)
+            self.keys[rt, :, :kmax] = k
+            self.values[rt, :, :kmax] = v
+            self.positions[rt, :, :kmax] = p
+            self.positions[rt, :, kmax:] = -1
+            for n, s in st.items():
+                self.state[n][rt, :, :kmax] = s
+                self.state[n][rt, :, kmax:] = 0.0
+
+    def _compact_rows(self, step: _Step) -> None:
+        """Decode-time eviction: rows whose fill reached capacity go back to ``budget`` slots."""
+        c = self.cache
+        rows = step.evict_rows
+        whole = len(rows) == self.keys.shape[0]
+        if whole:
+            keys, values, positions = self.keys, self.values, self.positions
+            state = dict(self.state)
+        else:
+            rt = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+            keys, values = self.keys.index_select(0, rt), self.values.index_select(0, rt)
+            positions = self.positions.index_select(0, rt)
+            state = {n: s.index_select(0, rt) for n, s in self.state.items()}
+        filled = torch.tensor([step.fill_before[i] + step.counts[i] for i in rows], device=keys.device)
+        valid = torch.arange(keys.shape[2], device=keys.device).view(1, -1) < filled.view(-1, 1)
+        idx = self._select(step, None if whole else rows, keys, values, positions, valid, state)
+        self._write(None if whole else rows, idx, [c.budget] * len(rows), keys, values, positions, state)
+
+    def _write_staged(self, step: _Step) -> None:
+        """After a multi-token step: write the new real tokens packed, compressing rows that do not fit."""
+        c = self.cache
+        new_k, new_v = self._staged
+        q, p = step.q, step.p_old
+        if step.uniform and p == 0 and not step.evict_rows and self.keys.shape[2] >= q:
+            # fast path: empty cache, no padding, fits
+            f = step.fill_before[0]
+            self.keys[:, :, f : f + q].copy_(new_k[:, :, -q:])
+            self.values[:, :, f : f + q].copy_(new_v[:, :, -q:])
+            self.positions[:, :, f : f + q].copy_(step.new_positions().unsqueeze(1).expand_as(new_k[..., 0]))
+            for s in self.state.values():
+                s[:, :, f : f + q].zero_()
+            return
+        b, h = new_k.shape[:2]
+        new_pos = step.new_positions().unsqueeze(1).expand(b, h, q)
+        positions = torch.cat([self.positions[:, :, :p], new_pos], dim=2)
+        state = {
+            n: torch.cat([s[:, :, :p], torch.zeros((b, h, q), dtype=s.dtype, device=s.device)], dim=2)
+            for n, s in self.state.items()
+        }
+        valid = step.kv_valid()
+        kmax = max(step.keep)
+        idx = pack_valid(valid, h, kmax).clone()
+        if step.evict_rows:
+            rows = step.evict_rows
+            whole = len(rows) == b
+            if whole:
+                sub = (new_k, new_v, positions, valid, state)
+            else:
+                rt = torch.tensor(rows, dtype=torch.long, device=new_k.device)
+                sub = (
+                    new_k.index_select(0, rt), new_v.index_select(0, rt), positions.index_select(0, rt),
+                    valid.index_select(0, rt), {n: s.index_select(0, rt) for n, s in state.items()},
+                )
+            sel = self._select(step, None if whole else rows, *sub)
+            if whole:
+                idx[:, :, : c.budget] = sel
+            else:
+                idx[rt, :, : c.budget] = sel
+        self._write(None, idx, step.keep, new_k, new_v, positions, state)
+
+    # ------------------------------------------------------------------------------------------ Cache protocol
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Logical sizes: the default mask transformers builds is replaced by vase's own over physical slots.
+        return self.cache.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.capacity if self.is_initialized else -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.positions = None
+        self.state, self.row_memo = {}, {}
+        self.queries = self.query_positions = self.query_valid = None
+        self._q_next = 0
+        self._staged = None
+        self._awaiting_attention = False
+        self.last_eviction = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("EvictingCache does not support beam search; use sampling or greedy decoding")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("EvictingCache cannot be cropped (evicted tokens are gone); no assisted decoding")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("EvictingCache cannot be expanded after prefill; repeat the inputs instead")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("EvictingCache does not support selecting batch rows after prefill")
+
+
+class EvictingCache(Cache):
+    """A KV cache held at ``budget + buffer`` tokens per layer by an eviction policy.
+
+    Example::
+
+        cache = vase.EvictingCache(model, policy="vase", budget=1024)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)   # or cache=cache
+        print(cache.stats().line())
+
+    Creating the cache installs vase's attention function on ``model`` (:func:`vase.attention.install`): it saves
+    the post-RoPE queries for scoring, then calls the model's own sdpa / eager / flash_attention_2 function with a
+    mask over physical slots.
+
+    Args:
+        model: a ``transformers`` causal LM (Llama, Qwen3, Mistral, ... families: full attention layers).
+        policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
+        budget: tokens kept per (row, layer, KV head) after each eviction.
+        buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps.
+        sinks: first tokens of each row always kept (attention sinks), default 4.
+        window: saved queries per layer for attention-based scorers (default: the policy's window).
+        seed: int (row ``b`` uses ``seed + b``) or one int per row: keys the random choices of each row.
+        compress_prompt: compress a prompt longer than the budget at prefill (default); False keeps it dense
+            until the first eviction, as the paper's code does.
+        record_evictions: keep the details of each layer's last eviction in ``layer.last_eviction`` (tests,
+            inspection).
+        profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
+        **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
+            temperature, lam, rank; see :func:`vase.make_policy`).
+
+    Raises:
+        ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
+            or policy option, protected share outside [0, 1), temperature <= 0, a model with a layer type other
+            than full attention (sliding window, linear attention), or, at the first forward, a cache reused for
+            another model or batch size.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy = "vase",
+        budget: int = 1024,
+        buffer: int = 64,
+        sinks: int = 4,
+        window: int | None = None,
+        seed: int | Sequence[int] = 0,
+        compress_prompt: bool = True,
+        record_evictions: bool = False,
+        profile: bool = False,
+        **policy_options,
+    ):
+        for name, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer number of tokens, got {value!r}")
+        if buffer < 1:
+            raise ValueError(f"buffer must be >= 1 token, got {buffer}")
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        if budget <= sinks + buffer:
+            raise ValueError(
+                f"budget ({budget}) must be larger than sinks + buffer ({sinks} + {buffer} = {sinks + buffer}): "
+                "raise the budget or lower the buffer"
+            )
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive number of queries, got {window!r}")
+        if isinstance(seed, (list, tuple)):
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in seed) or not seed:
+                raise ValueError(f"seed must be an int or a non-empty list of ints, got {seed!r}")
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
+        self.policy = make_policy(policy, **policy_options)
+        config = model.config.get_text_config(decoder=True)
+        check_model_supported(config)
+        self.budget, self.buffer, self.sinks = budget, buffer, sinks
+        self.window = window if window is not None else self.policy.window
+        if not self.policy.window:
+            self.window = 0
+        self.seed = seed
+        self.compress_prompt = compress_prompt
+        self.record_evictions = record_evictions
+        self.profile = profile
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self._model_ref = weakref.ref(model)
+        super().__init__(layers=[EvictingLayer(self, i) for i in range(self.num_layers)])
+        attn.install(model)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.batch: int | None = None
+        self.capacity: int | None = None
+        self._row_limit: list[int] = []
+        self._fill: list[int] = []
+        self._seen = 0
+        self._real: list[int] = []
+        self._row_evictions: list[int] = []
+        self._evictions = 0
+        self._tokens_evicted = 0
+        self._eviction_seconds = 0.0
+        self._row_keys: torch.Tensor | None = None
+        self._step: _Step | None = None
+        self._pending_mask: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """Empty the cache so it can be used again (any batch size) with the same model."""
+        for layer in self.layers:
+            layer.reset()
+        self._clear()
+
+    # ---------------------------------------------------------------------------------------- step planning
+    def _begin_forward(self, model, batch: int, q: int, attention_mask: torch.Tensor | None) -> None:
+        """Called by vase's forward pre-hook before a forward pass: validate and stash the padding mask."""
+        if model is not None and self._model_ref() is not None and model is not _decoder(self._model_ref()):
+            raise ValueError(
+                "this EvictingCache was created for another model; create one per model with "
+                "EvictingCache(model, ...)"
+            )
+        self._check_batch(batch)
+        if self._step is not None:
+            self._abandon_step()
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("EvictingCache needs a 2-D attention_mask [batch, tokens] (or none), not a 4-D one")
+        self._pending_mask = attention_mask
+
+    def _check_batch(self, batch: int) -> None:
+        if self.batch is not None and batch != self.batch:
+            raise ValueError(
+                f"this EvictingCache holds a batch of {self.batch} rows but got {batch}; call cache.reset() or "
+                "create a new cache for a different batch size"
+            )
+
+    def _abandon_step(self) -> None:
+        if self._step.layers_done > 0:
+            raise RuntimeError(
+                "a previous forward pass stopped midway through the cache (an exception inside the model?); "
+                "the cache is inconsistent: call cache.reset() and start again"
+            )
+        self._step = None
+
+    def _step_for(self, key_states: torch.Tensor) -> _Step:
+        if self._step is not None:
+            return self._step
+        b, h, q, d = key_states.shape
+        if h != self.num_kv_heads or d != self.head_dim:
+            raise ValueError(
+                f"got keys with {h} KV heads of dim {d}, but this EvictingCache was made for a model with "
+                f"{self.num_kv_heads} KV heads of dim {self.head_dim}: create one per model"
+            )
+        self._check_batch(b)
+        mask, self._pending_mask = self._pending_mask, None
+        if self.batch is None:
+            self.batch = b
+            self._fill = [0] * b
+            self._real = [0] * b
+            self._row_evictions = [0] * b
+        new_valid = None
+        if mask is not None and q > 1:
+            new_valid = mask[:, -q:].to(device=key_states.device, dtype=torch.bool)
+            counts = new_valid.sum(-1).tolist()
+            if all(cnt == q for cnt in counts):
+                new_valid = None
+        else:
+            counts = [q] * b
+        fill = list(self._fill)
+        n = [f + cnt for f, cnt in zip(fill, counts)]
+        if self.capacity is None:
+            # A row evicts when its fill reaches its limit: budget + buffer, or with a dense prompt
+            # max(budget, its prompt) + buffer until its first eviction (per row, so rows stay independent).
+            dense = not self.compress_prompt or not self.policy.evicts
+            self._row_limit = [max(self.budget, cnt) + self.buffer if dense else self.budget + self.buffer for cnt in n]
+            self.capacity = max(self._row_limit)
+        if self.policy.evicts:
+            limit = [
+                self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)
+            ]
+            evict_rows = [i for i, (cnt, lim) in enumerate(zip(n, limit)) if cnt >= lim]
+            keep = [self.budget if cnt >= lim else cnt for cnt, lim in zip(n, limit)]
+        else:
+            evict_rows, keep = [], n
+            if max(n) >= self.capacity:
+                self.capacity = max(n) + self.budget
+        append = q == 1 and self.layers[0].is_initialized
+        uniform = new_valid is None and len(set(fill)) == 1
+        self._step = _Step(
+            q=q, append=append, fill_before=fill, counts=counts, keep=keep, evict_rows=evict_rows,
+            seen_before=self._seen, real_before=list(self._real), new_valid=new_valid, uniform=uniform, device=key_states.device,
+            capacity=self.capacity,
+        )
+        return self._step
+
+    def _layer_done(self, layer: EvictingLayer) -> None:
+        step = self._step
+        step.layers_done += 1
+        if step.layers_done < self.num_layers:
+            return
+        for i in step.evict_rows:
+            self._row_evictions[i] += 1
+        if step.evict_rows:
+            self._evictions += 1
+            self._tokens_evicted += sum(f + c - k for f, c, k in zip(step.fill_before, step.counts, step.keep))
+        self._fill = list(step.keep)
+        self._real = [r + c for r, c in zip(self._real, step.counts)]
+        self._seen += step.q
+        self._step = None
+
+    def _row_keys_tensor(self, device) -> torch.Tensor:
+        if self._row_keys is None or self._row_keys.device != device:
+            seeds = self.seed if isinstance(self.seed, (list, tuple)) else [self.seed + i for i in range(self.batch)]
+            if len(seeds) != self.batch:
+                raise ValueError(f"got {len(seeds)} seeds for a batch of {self.batch} rows: give one per row")
+            self._row_keys = torch.tensor([rng.row_key(s) for s in seeds], dtype=torch.long, device=device)
+        return self._row_keys
+
+    # ------------------------------------------------------------------------------------------ Cache protocol
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Logical length: tokens seen so far (padding columns included), as RoPE positions need."""
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._seen + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def fill(self) -> list[int]:
+        """Filled slots of each row (tokens)."""
+        return list(self._fill)
+
+    def stats(self) -> CacheStats:
+        """Current :class:`CacheStats`."""
+        held = 0
+        elt = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                held += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                elt = layer.keys.element_size()
+        batch = self.batch or 0
+        full = batch * self.num_kv_heads * self._seen * self.head_dim * 2 * elt * self.num_layers
+        return CacheStats(
+            policy=self.policy.name, budget=self.budget, buffer=self.buffer, batch=batch, layers=self.num_layers,
+            tokens_seen=self._seen, real_tokens=list(self._real), slots_held=max(self._fill, default=0),
+            capacity=self.capacity or 0, evictions=self._evictions, tokens_evicted=self._tokens_evicted,
+            bytes_held=held, bytes_full=full, eviction_seconds=self._eviction_seconds,
+        )
+
+
+def _decoder(model):
+    get = getattr(model, "get_decoder", None)
+    dec = get() if callable(get) else None
+    return dec if dec is not None else model
+
+
+def check_model_supported(config) -> None:
+    """Raise a clear ValueError if a layer type of ``config`` is not full attention.
+
+    Sliding-window, chunked and linear-attention layers keep their own bounded or recurrent state; vase does not
+    compress them and refuses such models rather than evicting wrongly.
+    """
+    types = getattr(config, "layer_types", None) or []
+    bad = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
+    if not bad and not types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        bad = ["sliding_attention"]
+    if bad:
+        raise ValueError(
+            f"this model has layer type(s) {', '.join(bad)}; EvictingCache supports only full-attention layers "
+            f"({config.model_type}). Use a model whose layers are all full attention (Llama, Qwen3, Qwen2, Mistral "
+            "without sliding window, DeepSeek-R1-Distill)"
+        )
+    if getattr(config, "num_key_value_heads", None) is None:
+        raise ValueError(f"model type {config.model_type!r} has no num_key_value_heads: not a supported decoder")

@@ -1,0 +1,41 @@
+"""The eviction policies, one module each, by standard name.
+
+``make_policy(name, **options)`` builds one; ``POLICY_NAMES`` lists them; ``policy_table()`` gives (name, what it
+keeps, source) rows for documentation.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..policy import Policy
+from . import curdkv, full, h2o, keydiff, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
+
+_MODULES: dict[str, ModuleType] = {
+    m.NAME: m for m in (full, streaming_llm, h2o, tova, snapkv, rkv, random, keydiff, curdkv, vase, vase_dkv)
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
+
+
+def make_policy(name: str | Policy, **options) -> Policy:
+    """Build the policy called ``name`` with ``options`` (or return ``name`` if it is already a Policy).
+
+    Raises:
+        ValueError: for an unknown name (the message lists the valid ones) or an invalid option.
+    """
+    if isinstance(name, Policy):
+        if options:
+            raise ValueError("options cannot be combined with an already built Policy")
+        return name
+    module = _MODULES.get(name)
+    if module is None:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")
+    return module.build(**options)
+
+
+def policy_table() -> list[tuple[str, str, str]]:
+    """(name, what it keeps, source) for every policy."""
+    return [(m.NAME, m.KEEPS, m.SOURCE) for m in _MODULES.values()]
+
+
+__all__ = ["POLICY_NAMES", "make_policy", "policy_table"]

@@ -1,0 +1,19 @@
+"""``curdkv``: leverage ``||K G||^2 * ||V G||^2`` under a Gaussian projection fixed for the whole sequence, top-k.
+
+Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition" (CurDKV),
+arXiv 2509.15038, Sec. 3.
+"""
+
+from functools import partial
+
+from ..policy import Policy, compose
+from ..scoring import Leverage
+
+NAME = "curdkv"
+SOURCE = "Sengupta et al. 2025, CurDKV, arXiv 2509.15038, Sec. 3"
+KEEPS = "sinks + recent + highest key-value leverage (fixed projection)"
+DEFAULTS = {"rank": 20}
+
+
+def build(**options) -> Policy:
+    return compose(NAME, SOURCE, KEEPS, partial(Leverage, fresh=False), DEFAULTS, options)

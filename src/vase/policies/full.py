@@ -1,0 +1,16 @@
+"""``full``: the full cache, never evicts (the reference every policy is measured against).
+
+Inside an :class:`vase.EvictingCache` its buffers grow by one budget at a time when full; for the plain transformers
+cache use ``transformers.DynamicCache``.
+"""
+
+from ..policy import Policy, compose
+
+NAME = "full"
+SOURCE = "full KV cache (no eviction)"
+KEEPS = "every token"
+DEFAULTS: dict = {}
+
+
+def build(**options) -> Policy:
+    return compose(NAME, SOURCE, KEEPS, None, DEFAULTS, options)

@@ -1,0 +1,13 @@
+"""``random``: uniform random eviction (the control of VaSE's ablation, arXiv 2606.03928, Sec. 5)."""
+
+from ..policy import Policy, compose
+from ..scoring import Constant
+
+NAME = "random"
+SOURCE = "uniform random eviction (control), VaSE arXiv 2606.03928, Sec. 5"
+KEEPS = "sinks + recent + a uniform random subset"
+DEFAULTS: dict = {}
+
+
+def build(**options) -> Policy:
+    return compose(NAME, SOURCE, KEEPS, Constant, DEFAULTS, options, selector="sample")

@@ -1,0 +1,16 @@
+"""``streaming_llm``: attention sinks + the most recent tokens.
+
+Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453, Sec. 3.2.
+"""
+
+from ..policy import Policy, compose
+from ..scoring import Recency
+
+NAME = "streaming_llm"
+SOURCE = "Xiao et al. 2024, StreamingLLM, arXiv 2309.17453, Sec. 3.2"
+KEEPS = "4 sink tokens + the most recent tokens"
+DEFAULTS: dict = {}
+
+
+def build(**options) -> Policy:
+    return compose(NAME, SOURCE, KEEPS, Recency, DEFAULTS, options)

@@ -1,0 +1,129 @@
+"""A policy = scorer + optional value guard + selector, under a standard name.
+
+Every policy module in :mod:`vase.policies` builds its :class:`Policy` with :func:`compose` from its own scorer and
+defaults. The guard and selector options are open to every evicting policy, so the paper's ablations are
+configurations, for example (VaSE, arXiv 2606.03928, Sec. 5)::
+
+    make_policy("snapkv", selector="sample")                      # SnapKV + sampling
+    make_policy("snapkv", guard="range", protect_share=0.25)      # SnapKV + value guard
+    make_policy("vase", guard="random")                           # protect random slots instead
+    make_policy("snapkv", guard="range", guard_mode="evict")      # evict the largest values first
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .scoring import EvictionContext, Scorer
+from .selection import GUARD_METRICS, GUARD_MODES, Sample, Selection, Selector, TopK, ValueGuard, select
+
+SELECTORS = ("topk", "sample")
+COMMON_OPTIONS = {
+    "selector": "topk",
+    "temperature": 1.0,
+    "guard": None,
+    "protect_share": 0.25,
+    "guard_mode": "protect",
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """An eviction policy.
+
+    Attributes:
+        name: standard name (``vase``, ``snapkv``, ...).
+        scorer: importance per cached entry, or None for a policy that never evicts (``full``).
+        selector: top-k or sampling.
+        guard: optional value-magnitude guard.
+        source: the paper (and section) the policy comes from.
+        keeps: one line on what the policy keeps.
+        options: the resolved options it was built with.
+    """
+
+    name: str
+    scorer: Scorer | None
+    selector: Selector
+    guard: ValueGuard | None
+    source: str
+    keeps: str
+    options: dict
+
+    @property
+    def evicts(self) -> bool:
+        return self.scorer is not None
+
+    @property
+    def window(self) -> int:
+        """Recent queries the scorer needs saved per layer (0: none)."""
+        return self.scorer.window if self.scorer is not None else 0
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return self.scorer.state_names if self.scorer is not None else ()
+
+    def select(self, ctx: EvictionContext, keep, kmax: int, forced) -> Selection:
+        """Slots to keep; see :func:`vase.selection.select`."""
+        return select(self.scorer, self.selector, self.guard, ctx, keep, kmax, forced)
+
+    def describe(self) -> str:
+        if not self.evicts:
+            return f"{self.name}: never evicts"
+        parts = [self.scorer.describe()]
+        if self.guard is not None:
+            parts.append(self.guard.describe())
+        parts.append(self.selector.describe())
+        return f"{self.name}: " + " + ".join(parts)
+
+
+def compose(
+    name: str,
+    source: str,
+    keeps: str,
+    make_scorer: Callable[..., Scorer] | None,
+    scorer_defaults: dict[str, Any],
+    options: dict[str, Any],
+    **common_defaults: Any,
+) -> Policy:
+    """Build a :class:`Policy` from a scorer factory, its defaults and the user's options.
+
+    Raises:
+        ValueError: for an option the policy does not take (lists the valid ones) or a bad value.
+    """
+    common = dict(COMMON_OPTIONS, **common_defaults) if make_scorer is not None else {}
+    allowed = {**scorer_defaults, **common}
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        valid = ", ".join(sorted(allowed)) or "none"
+        raise ValueError(f"policy {name!r} does not take option(s) {', '.join(unknown)}; valid options: {valid}")
+    opts = {**allowed, **{k: v for k, v in options.items()}}
+    if make_scorer is None:
+        return Policy(name, None, TopK(), None, source, keeps, opts)
+
+    for key in ("window", "kernel", "rank"):
+        if key in opts and (not isinstance(opts[key], int) or opts[key] < 1):
+            raise ValueError(f"{key} must be a positive integer, got {opts[key]!r}")
+    if "pool" in opts and opts["pool"] not in ("avg", "max"):
+        raise ValueError(f"pool must be 'avg' or 'max', got {opts['pool']!r}")
+    if "lam" in opts and not 0.0 <= float(opts["lam"]) <= 1.0:
+        raise ValueError(f"lam must be in [0, 1], got {opts['lam']}")
+
+    if opts["selector"] not in SELECTORS:
+        raise ValueError(f"unknown selector {opts['selector']!r}; choose one of {', '.join(SELECTORS)}")
+    temperature = float(opts["temperature"])
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {opts['temperature']}")
+    share = float(opts["protect_share"])
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"protected share must be in [0, 1), got {opts['protect_share']}")
+    guard_metric = opts["guard"]
+    if guard_metric is not None and guard_metric not in GUARD_METRICS:
+        raise ValueError(f"unknown value-guard metric {guard_metric!r}; choose one of {', '.join(GUARD_METRICS)}")
+    if opts["guard_mode"] not in GUARD_MODES:
+        raise ValueError(f"unknown guard mode {opts['guard_mode']!r}; choose one of {', '.join(GUARD_MODES)}")
+
+    scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
+    selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
+    guard = ValueGuard(guard_metric, share, opts["guard_mode"]) if guard_metric is not None and share > 0 else None
+    return Policy(name, scorer, selector, guard, source, keeps, opts)

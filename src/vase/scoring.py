@@ -1,0 +1,285 @@
+"""Scorers: one importance score per cached entry, per (batch row, KV head).
+
+A scorer looks at an :class:`EvictionContext` (the cached keys and values, their logical positions, the saved
+post-RoPE queries) and returns ``scores`` of shape ``[b, kv_heads, slots]`` (float32; higher = more worth keeping).
+Scorers never need attention weights from the attention kernel: attention-based scores are recomputed here from the
+queries that :mod:`vase.attention` saved.
+
+Shapes used throughout: ``b`` batch rows taking part in the eviction, ``H`` KV heads, ``G`` query heads per KV head
+(GQA group), ``S`` slots (cached entries considered), ``W`` saved queries, ``D`` head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import rng
+
+# Noise streams, so that different uses of randomness in one eviction are independent.
+STREAM_SAMPLE = 0
+STREAM_GUARD = 1
+STREAM_PROJECTION = 2
+
+
+@dataclass
+class EvictionContext:
+    """Everything a scorer, guard or selector may look at during one eviction of one layer.
+
+    Attributes:
+        keys: ``[b, H, S, D]`` cached keys (post-RoPE, model dtype).
+        values: ``[b, H, S, D]`` cached values.
+        positions: ``[b, H, S]`` int64 logical position of each slot: the index of its token among the real
+            (non-padding) tokens of its row. Within a (row, head), valid slots are in increasing position order.
+        valid: ``[b, S]`` bool, which slots hold a real token (padding and free slots are False).
+        candidates: ``[b, S]`` bool, valid slots that are neither sinks nor in the recent window: the ones the
+            policy chooses among.
+        queries: ``[b, Hq, W, D]`` saved post-RoPE queries, or None when the policy needs none.
+        query_positions: ``[b, W]`` int64 logical position of each saved query.
+        query_valid: ``[b, W]`` bool, which saved queries are real (not padding, not yet written).
+        scaling: attention scaling (usually ``head_dim ** -0.5``).
+        layer_idx: index of the layer being compacted.
+        budget: the cache budget in tokens.
+        row_keys: ``[b]`` int64 random keys of the rows (see :mod:`vase.rng`).
+        eviction_index: ``[b]`` int64, how many evictions each row has had before this one.
+        state: per-slot state of the scorer, tensors ``[b, H, S]`` that move with their tokens.
+        memo: per-layer scalars a scorer may keep between evictions (e.g. how far H2O has accumulated); the cache
+            sets ``memo["latest_query"]`` (``[b]``, the position of each row's newest query) before each eviction.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    candidates: torch.Tensor
+    queries: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    query_valid: torch.Tensor | None
+    scaling: float
+    layer_idx: int
+    budget: int
+    row_keys: torch.Tensor
+    eviction_index: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)
+
+    def noise_parts(self, stream: int) -> tuple:
+        """Hash inputs that give one independent value per (row, head, slot) for this eviction and stream."""
+        b, h, _ = self.positions.shape
+        heads = torch.arange(h, device=self.positions.device).view(1, h, 1)
+        return (
+            self.row_keys.view(b, 1, 1),
+            self.layer_idx,
+            self.eviction_index.view(b, 1, 1),
+            heads,
+            self.positions,
+            stream,
+        )
+
+
+class Scorer:
+    """Base class. ``window`` is how many recent queries the scorer needs saved (0: none)."""
+
+    window: int = 0
+    state_names: tuple[str, ...] = ()
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def window_attention(ctx: EvictionContext, since: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the saved queries over the cached keys, recomputed in float32.
+
+    Each query attends causally (to slots whose logical position is <= its own) over all valid slots, as the model
+    itself did. Returns ``probs`` ``[b, H, G, W, S]`` (rows of invalid queries are all zero) and ``n_queries`` ``[b]``
+    (valid queries per row). With ``since`` (an int or ``[b]`` tensor), only queries at positions > ``since`` count.
+    """
+    q = ctx.queries
+    b, hq, w, d = q.shape
+    h, s = ctx.keys.shape[1], ctx.keys.shape[2]
+    g = hq // h
+    logits = torch.matmul(q.float().reshape(b, h, g * w, d), ctx.keys.float().transpose(-1, -2))
+    logits = logits.view(b, h, g, w, s) * ctx.scaling
+    qvalid = ctx.query_valid
+    if since is not None:
+        since = torch.as_tensor(since, device=qvalid.device).view(-1, 1)
+        qvalid = qvalid & (ctx.query_positions > since)
+    allowed = (
+        ctx.valid.view(b, 1, 1, 1, s)
+        & (ctx.positions.view(b, h, 1, 1, s) <= ctx.query_positions.view(b, 1, 1, w, 1))
+        & qvalid.view(b, 1, 1, w, 1)
+    )
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    return probs, qvalid.sum(-1)
+
+
+def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """1-D pooling along the last (token) axis with 'same' padding; ``kind`` is 'avg' or 'max'."""
+    if kernel <= 1:
+        return x
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])
+    if kind == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return out[..., : shape[-1]].reshape(shape)
+
+
+def reduce_heads(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``[b, H, G, S]`` -> ``[b, H, S]``: mean over each GQA group ('group') or over all heads of the layer ('layer')."""
+    if how == "group":
+        return x.mean(2)
+    return x.mean((1, 2), keepdim=True).squeeze(2).expand(x.shape[0], x.shape[1], x.shape[3])
+
+
+class WindowAttention(Scorer):
+    """Observation-window attention, pooled over positions: SnapKV (Li et al. 2024, arXiv 2404.14469, Sec. 4) and the
+    importance score of VaSE (arXiv 2606.03928, Sec. 3.2).
+
+    Score = mean over the last ``window`` queries of softmax(q k^T * scaling), pooled along the token axis
+    (``pool`` 'avg' or 'max', ``kernel`` wide), then averaged over the query heads of each GQA group
+    (``head_reduce='group'``) or of the whole layer (``'layer'``, as TOVA does).
+    """
+
+    def __init__(self, window: int = 64, kernel: int = 5, pool: str = "avg", head_reduce: str = "group"):
+        self.window, self.kernel, self.pool, self.head_reduce = window, kernel, pool, head_reduce
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        probs, n = window_attention(ctx)
+        mean = probs.sum(3) / n.clamp_min(1).view(-1, 1, 1, 1).to(probs.dtype)  # [b, H, G, S]
+        return reduce_heads(pool_tokens(mean, self.kernel, self.pool), self.head_reduce)
+
+    def describe(self) -> str:
+        return f"window attention (window {self.window}, {self.pool}-pool {self.kernel}, mean over {self.head_reduce})"
+
+
+class AccumulatedAttention(Scorer):
+    """Heavy hitters: attention accumulated over all past queries, per KV head. H2O (Zhang et al. 2023,
+    arXiv 2306.14048, Sec. 3).
+
+    The running sum lives in per-slot state ``acc`` and moves with its token. At each eviction the saved queries
+    newer than the previous eviction are added (so with ``window >= buffer`` every decode query is counted).
+    """
+
+    state_names = ("acc",)
+
+    def __init__(self, window: int = 64):
+        self.window = window
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        since = ctx.memo.get("acc_upto", -1)
+        probs, _ = window_attention(ctx, since=since)
+        acc = ctx.state["acc"]
+        acc += probs.sum(3).mean(2)
+        ctx.memo["acc_upto"] = ctx.memo["latest_query"]
+        return acc.clone()
+
+    def describe(self) -> str:
+        return "accumulated attention (H2O)"
+
+
+class Recency(Scorer):
+    """Most recent first (score = logical position): with the sinks, StreamingLLM (Xiao et al. 2024, arXiv
+    2309.17453, Sec. 3.2)."""
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        return ctx.positions.to(torch.float32)
+
+    def describe(self) -> str:
+        return "recency"
+
+
+class Constant(Scorer):
+    """Every entry equally important; with the sampling selector this is uniform random eviction."""
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        return torch.ones(ctx.positions.shape, dtype=torch.float32, device=ctx.positions.device)
+
+    def describe(self) -> str:
+        return "constant"
+
+
+class KeyDiversity(Scorer):
+    """KeyDiff (Park et al. 2025, arXiv 2504.15364, Sec. 3): keep keys that differ from the mean key direction.
+
+    Score = 1 - cos(k_i, mean_j k_j / |k_j|), in [0, 2], per (row, KV head); needs no queries.
+    """
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        kn = F.normalize(ctx.keys.float(), dim=-1)
+        w = ctx.valid.unsqueeze(1).unsqueeze(-1).to(kn.dtype)  # [b,1,S,1]
+        anchor = F.normalize((kn * w).sum(2, keepdim=True), dim=-1)  # [b,H,1,D]
+        return 1.0 - (kn * anchor).sum(-1)
+
+    def describe(self) -> str:
+        return "key diversity (KeyDiff)"
+
+
+class Leverage(Scorer):
+    """Approximate leverage of keys and values under a Gaussian projection: score = ||k G||^2 * ||v G||^2, normalised
+    to sum to 1 over the valid slots of each (row, KV head).
+
+    G ~ N(0, 1/rank) of shape ``[head_dim, rank]``, one per (row, layer, KV head). ``fresh=False`` draws it once per
+    sequence (CurDKV, Sengupta et al. 2025, arXiv 2509.15038, Sec. 3); ``fresh=True`` draws it afresh at every
+    eviction (VaSE-DKV, arXiv 2606.03928, Sec. 3.3).
+    """
+
+    def __init__(self, rank: int = 20, fresh: bool = True):
+        self.rank, self.fresh = rank, fresh
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        b, h, s, d = ctx.keys.shape
+        dev = ctx.keys.device
+        ev = ctx.eviction_index if self.fresh else torch.zeros_like(ctx.eviction_index)
+        proj = rng.normal(
+            ctx.row_keys.view(b, 1, 1, 1),
+            ctx.layer_idx,
+            ev.view(b, 1, 1, 1),
+            torch.arange(h, device=dev).view(1, h, 1, 1),
+            torch.arange(d, device=dev).view(1, 1, d, 1),
+            torch.arange(self.rank, device=dev).view(1, 1, 1, self.rank),
+            STREAM_PROJECTION,
+        ) * (self.rank**-0.5)
+        kg = torch.matmul(ctx.keys.float(), proj).pow(2).sum(-1)
+        vg = torch.matmul(ctx.values.float(), proj).pow(2).sum(-1)
+        lev = (kg * vg) * ctx.valid.unsqueeze(1)
+        return lev / lev.sum(-1, keepdim=True).clamp_min(1e-30)
+
+    def describe(self) -> str:
+        kind = "fresh at every eviction" if self.fresh else "fixed per sequence"
+        return f"leverage ||KG||^2 ||VG||^2 (rank {self.rank}, projection {kind})"
+
+
+class RedundancyAware(Scorer):
+    """R-KV (Cai et al. 2025, arXiv 2505.24133, Sec. 3): ``lam * importance - (1 - lam) * redundancy``.
+
+    Importance: window attention of the last ``window`` queries, max-pooled (``kernel``). Redundancy: for each key,
+    the mean cosine similarity to the *later* valid keys of the same head, so that of a group of near-duplicates the
+    most recent one is not penalised; then a softmax over the valid slots. Scores may be negative: use it with top-k.
+    """
+
+    def __init__(self, window: int = 8, kernel: int = 7, lam: float = 0.1):
+        self.window, self.kernel, self.lam = window, kernel, lam
+        self._importance = WindowAttention(window, kernel, "max")
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        importance = self._importance.score(ctx)
+        kn = F.normalize(ctx.keys.float(), dim=-1)
+        sim = torch.matmul(kn, kn.transpose(-1, -2))  # [b,H,S,S]
+        pos = ctx.positions
+        later = (pos.unsqueeze(-1) < pos.unsqueeze(-2)) & ctx.valid.view(ctx.valid.shape[0], 1, 1, -1)
+        n_later = later.sum(-1).clamp_min(1)
+        red = (sim * later).sum(-1) / n_later
+        red = red.masked_fill(~ctx.valid.unsqueeze(1), float("-inf"))
+        red = torch.softmax(red, dim=-1).nan_to_num_(0.0)
+        return self.lam * importance - (1.0 - self.lam) * red
+
+    def describe(self) -> str:
+        return f"R-KV (importance window {self.window}, max-pool {self.kernel}, lambda {self.lam})"

@@ -1,0 +1,215 @@
+"""Guards and selectors, and the one function that turns them into the slots to keep.
+
+An eviction keeps, per (batch row, KV head), ``keep[row]`` slots out of ``S``:
+
+1. forced: the first ``sinks`` valid tokens of the row (attention sinks) and its last ``buffer`` valid tokens
+   (the recent window);
+2. protected: the candidates with the largest value magnitude, a fixed share of the budget, if the policy has a
+   :class:`ValueGuard` (VaSE, arXiv 2606.03928, Sec. 3.1);
+3. the rest of the count from the remaining candidates, by the :class:`Selector`: deterministic top-k of the scores,
+   or sampling without replacement with probability proportional to ``score ** (1 / temperature)`` (VaSE, Sec. 3.2),
+   done as Gumbel-top-k, which has exactly that distribution.
+
+Every row keeps the same count for all its heads; kept slots come back sorted by slot index, that is by logical
+position, so pooling over slots stays pooling over neighbouring tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .scoring import STREAM_GUARD, STREAM_SAMPLE, EvictionContext
+
+_FORCED = float("inf")
+_PROTECTED = 1e38
+_KEY_LIMIT = 1e37
+_DEMOTED = -1e38
+_INVALID = float("-inf")
+
+GUARD_METRICS = ("range", "l2", "var", "random")
+GUARD_MODES = ("protect", "evict")
+
+
+@dataclass(frozen=True)
+class ValueGuard:
+    """Protects (or, for the ablation, evicts first) the cached entries with the largest value magnitude.
+
+    VaSE (arXiv 2606.03928, Sec. 3.1): a few value states have abnormally large magnitude; evicting them sends the
+    model into repetitive loops. Per (row, layer, KV head) the ``round(share * budget)`` candidates with the largest
+    ``metric`` are protected: ``range`` = max - min over head_dim (default), ``l2`` = Euclidean norm, ``var`` =
+    variance over head_dim, ``random`` = random slots (the paper's control). ``mode='evict'`` demotes those entries
+    below every other candidate instead (the paper's "evict the largest values first" ablation).
+
+    Raises:
+        ValueError: for an unknown metric or mode, or a share outside [0, 1).
+    """
+
+    metric: str = "range"
+    share: float = 0.25
+    mode: str = "protect"
+
+    def __post_init__(self):
+        if self.metric not in GUARD_METRICS:
+            raise ValueError(f"unknown value-guard metric {self.metric!r}; choose one of {', '.join(GUARD_METRICS)}")
+        if self.mode not in GUARD_MODES:
+            raise ValueError(f"unknown value-guard mode {self.mode!r}; choose one of {', '.join(GUARD_MODES)}")
+        if not 0.0 <= self.share < 1.0:
+            raise ValueError(f"protected share must be in [0, 1), got {self.share}")
+
+    def count(self, budget: int) -> int:
+        """Number of protected slots per (row, KV head) for a budget in tokens."""
+        return int(round(self.share * budget))
+
+    def magnitude(self, ctx: EvictionContext) -> torch.Tensor:
+        """``[b, H, S]`` float32 value magnitude of every slot under ``metric``."""
+        v = ctx.values
+        if self.metric == "range":
+            return (v.amax(-1) - v.amin(-1)).float()
+        if self.metric == "l2":
+            return v.float().norm(dim=-1)
+        if self.metric == "var":
+            return v.float().var(-1)
+        return rng.uniform(*ctx.noise_parts(STREAM_GUARD)).float()
+
+    def describe(self) -> str:
+        verb = "protects" if self.mode == "protect" else "evicts first"
+        return f"value guard ({verb} top {self.share:.0%} of budget by {self.metric})"
+
+
+class Selector:
+    """Turns scores into sort keys: the candidates with the largest keys are kept."""
+
+    def keys(self, scores: torch.Tensor, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class TopK(Selector):
+    """Deterministic: keep the highest scores."""
+
+    def keys(self, scores: torch.Tensor, ctx: EvictionContext) -> torch.Tensor:
+        return scores
+
+    def describe(self) -> str:
+        return "top-k"
+
+
+class Sample(Selector):
+    """Sampling without replacement, probability proportional to ``score ** (1 / temperature)`` (VaSE, Sec. 3.2).
+
+    Implemented as Gumbel-top-k: ``log(score) / temperature + Gumbel``; the noise comes from :mod:`vase.rng`, keyed on
+    the row's seed, the layer, the row's eviction count, the head and the token's position. Scores <= 0 are never
+    drawn before a positive one.
+
+    Raises:
+        ValueError: if ``temperature <= 0``.
+    """
+
+    def __init__(self, temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
+
+    def keys(self, scores: torch.Tensor, ctx: EvictionContext) -> torch.Tensor:
+        noise = rng.gumbel(*ctx.noise_parts(STREAM_SAMPLE))
+        logp = torch.log(scores.clamp_min(1e-38)) / self.temperature
+        return torch.where(scores > 0, logp + noise, torch.full_like(logp, -_KEY_LIMIT))
+
+    def describe(self) -> str:
+        return f"sampling without replacement (temperature {self.temperature:g})"
+
+
+@dataclass
+class Selection:
+    """Result of one eviction of one layer.
+
+    Attributes:
+        indices: ``[b, H, kmax]`` int64 slot indices to keep, ascending; entries at ranks >= ``keep[row]`` are
+            padding (index 0) and must be treated as free.
+        forced: ``[b, S]`` bool, sinks and recent window.
+        protected: ``[b, H, S]`` bool slots the guard protected (or demoted), or None.
+        scores: ``[b, H, S]`` float32 policy scores, or None when the policy was not consulted.
+    """
+
+    indices: torch.Tensor
+    forced: torch.Tensor
+    protected: torch.Tensor | None
+    scores: torch.Tensor | None
+
+
+def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last axis with ties broken by slot index (earlier first), so the choice does not depend on
+    the tensor's length or the kernel. Values cannot tie in theory, but do in practice: in the first layer equal
+    tokens have bit-identical values (no RoPE on values)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def structural_masks(valid: torch.Tensor, sinks: int, buffer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sinks and recent window of each row from its valid slots (valid slots are in position order).
+
+    Args:
+        valid: ``[b, S]`` bool.
+    Returns:
+        ``(forced, candidates)``, both ``[b, S]`` bool.
+    """
+    rank = valid.long().cumsum(-1) - 1
+    n_valid = valid.sum(-1, keepdim=True)
+    forced = valid & ((rank < sinks) | (rank >= n_valid - buffer))
+    return forced, valid & ~forced
+
+
+def pack_valid(valid: torch.Tensor, heads: int, kmax: int) -> torch.Tensor:
+    """Slot indices ``[b, heads, kmax]`` of the valid slots of each row, in order (no eviction, only packing)."""
+    b, s = valid.shape
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[:, :kmax]
+    return order.unsqueeze(1).expand(b, heads, kmax)
+
+
+def select(
+    scorer,
+    selector: Selector,
+    guard: ValueGuard | None,
+    ctx: EvictionContext,
+    keep: torch.Tensor,
+    kmax: int,
+    forced: torch.Tensor,
+) -> Selection:
+    """Choose the slots to keep.
+
+    Args:
+        ctx: the eviction context (``ctx.candidates`` are the slots the policy chooses among).
+        keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count).
+        kmax: ``max(keep)`` as a Python int.
+        forced: ``[b, S]`` bool sinks and recent window.
+    Returns:
+        A :class:`Selection`.
+    """
+    b, h, s = ctx.positions.shape
+    cand = ctx.candidates.unsqueeze(1).expand(b, h, s)
+    scores = scorer.score(ctx)
+    key = selector.keys(scores, ctx).clamp(-_KEY_LIMIT, _KEY_LIMIT)
+    pr = torch.where(cand, key, torch.full_like(key, _INVALID))
+    pr = torch.where(forced.unsqueeze(1), torch.full_like(pr, _FORCED), pr)
+
+    protected = None
+    n_protect = guard.count(ctx.budget) if guard is not None else 0
+    if n_protect > 0:
+        n_choose = (keep - forced.sum(-1)).clamp_min(0)  # [b]
+        cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
+        mag = guard.magnitude(ctx).masked_fill(~cand, float("-inf"))
+        k = min(n_protect, s)
+        top_v, top_i = _top(mag, k)
+        ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, 1, 1)) & torch.isfinite(top_v)
+        protected = torch.zeros((b, h, s), dtype=torch.bool, device=mag.device)
+        protected.scatter_(-1, top_i, ok)
+        tier = _PROTECTED if guard.mode == "protect" else _DEMOTED
+        pr = torch.where(protected, torch.full_like(pr, tier), pr)
+
+    top = _top(pr, kmax)[1]
+    rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, 1, 1)
+    idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
+    idx = idx.masked_fill(idx == s, 0)
+    return Selection(indices=idx, forced=forced, protected=protected, scores=scores)
