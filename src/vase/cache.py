@@ -396,7 +396,12 @@ class EvictingLayer(CacheLayerMixin):
             self.last_eviction = {
                 "rows": list(range(r)) if rows is None else list(rows),
                 "positions": positions.clone(),
+                "keys": keys.clone(),
                 "values": values.clone(),
+                "queries": None if ctx.queries is None else ctx.queries.clone(),
+                "query_positions": None if ctx.query_positions is None else ctx.query_positions.clone(),
+                "query_valid": None if ctx.query_valid is None else ctx.query_valid.clone(),
+                "scaling": ctx.scaling,
                 "valid": valid.clone(),
                 "candidates": ctx.candidates.clone(),
                 "forced": forced.clone(),

@@ -1,0 +1,201 @@
+"""The ``vase`` command line: generate, demo, eval, fidelity, inspect, report, bench, policies."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="vase: bounded KV cache for long reasoning generation (VaSE and baselines) on transformers models.",
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str, code: int = 2):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def friendly(fn):
+    """Turn the library's clear ValueErrors (and Ctrl-C) into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+
+    return wrapper
+
+
+# Options shared by commands -------------------------------------------------------------------------------------
+ModelOpt = typer.Option(None, "--model", "-m", help="smollm2 (embedded, default), a local folder / .gguf, or a hub id")
+DtypeOpt = typer.Option("auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
+DeviceOpt = typer.Option("auto", help="auto (cuda when present), cpu, cuda, cuda:1")
+AttnOpt = typer.Option("sdpa", "--attn", help="attention implementation: sdpa, eager, flash_attention_2 (GPU)")
+PolicyOpt = typer.Option("vase", "--policy", "-p", help="eviction policy (see `vase policies`)")
+BudgetOpt = typer.Option(None, "--budget", "-b", help="cache budget in tokens (default 1024)")
+RatioOpt = typer.Option(None, "--ratio", help="compression ratio instead of a budget: budget = (prompt + new) / ratio")
+BufferOpt = typer.Option(64, "--buffer", help="recent window in tokens; compaction every `buffer` decode steps")
+WindowOpt = typer.Option(None, "--window", help="saved queries for scoring (default: the policy's)")
+ShareOpt = typer.Option(None, "--protect-share", help="share of the budget protected by the value guard (vase: 0.25)")
+SeedOpt = typer.Option(0, "--seed", help="seed for eviction sampling and token sampling")
+
+
+def _policy_options(protect_share: Optional[float]) -> dict:
+    return {} if protect_share is None else {"protect_share": protect_share}
+
+
+def _threads():
+    import torch
+
+    if os.environ.get("VASE_THREADS"):
+        torch.set_num_threads(int(os.environ["VASE_THREADS"]))
+
+
+@app.command()
+@friendly
+def policies():
+    """List the eviction policies: name, what each keeps, source."""
+    from .policies import policy_table
+
+    for name, keeps, source in policy_table():
+        typer.echo(f"{name:14s} {keeps}\n{'':14s} {source}")
+
+
+@app.command()
+@friendly
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="prompt text; '-' or nothing (with a pipe) reads stdin"),
+    data: Optional[str] = typer.Option(None, "--data", help="JSONL file or task name (gsm8k, math500, ...)"),
+    index: int = typer.Option(0, "--index", help="problem number in --data (0-based)"),
+    question_field: Optional[str] = typer.Option(None, "--question-field", help="question field in --data"),
+    template: str = typer.Option("auto", help="auto (task template for --data), math, mcq, none"),
+    model: Optional[str] = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    policy: str = PolicyOpt,
+    budget: Optional[int] = BudgetOpt,
+    ratio: Optional[float] = RatioOpt,
+    buffer: int = BufferOpt,
+    window: Optional[int] = WindowOpt,
+    protect_share: Optional[float] = ShareOpt,
+    sinks: int = typer.Option(4, help="attention-sink tokens always kept"),
+    dense_prompt: bool = typer.Option(False, "--dense-prompt", help="keep the prompt dense until the first eviction"),
+    seed: int = SeedOpt,
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
+    min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="suppress end-of-sequence before this many"),
+    temperature: float = typer.Option(0.0, help="0 = greedy; reasoning models: 0.6"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(20, "--top-k"),
+    system: Optional[str] = typer.Option(None, help="system prompt"),
+    no_chat: bool = typer.Option(False, "--no-chat", help="do not apply the chat template"),
+):
+    """Generate from one prompt with an evicting cache, streaming the text, then print a stats line."""
+    from .data import TEMPLATES, pick_problem
+
+    text = _prompt_text(prompt, data, index, question_field, template)
+    if template in TEMPLATES and data is None:
+        text = TEMPLATES[template].format(question=text)
+    _run_generation(
+        text, model, dtype, device, attn, policy, budget, ratio, buffer, window, protect_share, sinks, dense_prompt,
+        seed, max_new_tokens, min_new_tokens, temperature, top_p, top_k, system, not no_chat,
+    )
+
+
+def _prompt_text(prompt, data, index, question_field, template) -> str:
+    from .data import TEMPLATES, pick_problem
+
+    if data is not None:
+        if prompt is not None:
+            raise ValueError("give a prompt or --data, not both")
+        problem = pick_problem(data, index, question_field=question_field)
+        if template == "none":
+            return problem.question
+        kind = problem.kind if template == "auto" else template
+        if kind not in TEMPLATES:
+            raise ValueError(f"unknown template {template!r}; choose auto, math, mcq or none")
+        return TEMPLATES[kind].format(question=problem.question)
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise ValueError("no prompt: pass one as an argument, pipe it on stdin, or use --data FILE --index N")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("the prompt is empty: give some text")
+    return prompt
+
+
+def _run_generation(
+    text, model, dtype, device, attn, policy, budget, ratio, buffer, window, protect_share, sinks, dense_prompt,
+    seed, max_new_tokens, min_new_tokens, temperature, top_p, top_k, system, chat,
+):
+    from transformers import TextStreamer
+
+    from .generation import generate as run
+    from .models import load_model
+    from .policies import make_policy
+
+    make_policy(policy, **_policy_options(protect_share))  # bad policy options fail before loading a model
+    _threads()
+    lm = load_model(model, dtype=dtype, device=device, attn=attn)
+    typer.echo(f"[vase] model {lm.name} on {lm.device} ({str(lm.dtype).replace('torch.', '')})", err=True)
+    streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = run(
+        lm.model, lm.tokenizer, text, policy=policy, budget=budget, compression_ratio=ratio, buffer=buffer,
+        sinks=sinks, window=window, seed=seed, compress_prompt=not dense_prompt, max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chat=chat,
+        system=system, streamer=streamer, **_policy_options(protect_share),
+    )
+    sys.stdout.flush()
+    typer.echo(result.stats_line())
+    return result
+
+
+@app.command()
+@friendly
+def demo(
+    model: Optional[str] = ModelOpt,
+    policy: str = PolicyOpt,
+    budget: int = typer.Option(128, "--budget", "-b"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
+    device: str = DeviceOpt,
+):
+    """The main job: ~512 tokens of reasoning on a GSM8K problem with the embedded model, vase, budget 128.
+
+    Reads problem 3 of ../shared/data/reasoning/gsm8k.jsonl (or $VASE_DATA_DIR) when present, else a built-in
+    problem. The small model would stop early, so end-of-sequence is suppressed until max_new_tokens: the cache
+    then goes through several evictions.
+    """
+    from .data import BUILTIN_PROMPT, TEMPLATES, DataError, pick_problem, resolve_task
+
+    _, path = resolve_task("gsm8k")
+    if path.exists():
+        problem = pick_problem("gsm8k", 3)
+        text, source = problem.prompt(), f"GSM8K problem 3 ({path})"
+    else:
+        text, source = TEMPLATES["math"].format(question=BUILTIN_PROMPT), "built-in problem (no ../shared/data here)"
+    typer.echo(f"[vase] demo: {source}, policy {policy}, budget {budget}, {max_new_tokens} new tokens", err=True)
+    typer.echo(text + "\n" + "-" * 80)
+    _run_generation(
+        text, model, "auto", device, "sdpa", policy, budget, None, 64, None, None, 4, False, 0, max_new_tokens,
+        max_new_tokens, 0.6, 0.95, 20, None, True,
+    )
+
+
+def main():  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

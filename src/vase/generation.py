@@ -1,0 +1,217 @@
+"""One call from prompts to completions with an evicting cache: ``vase.generate(model, tokenizer, prompts, ...)``."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .cache import CacheStats, EvictingCache
+
+
+def budget_for_ratio(ratio: float, total_tokens: int) -> int:
+    """Budget (tokens) that compresses ``total_tokens`` (prompt + new tokens) by ``ratio``: ``ceil(total / ratio)``.
+
+    Raises:
+        ValueError: if ``ratio <= 1``.
+    """
+    if not ratio > 1:
+        raise ValueError(f"compression ratio must be > 1 (e.g. 4 for a 4x smaller cache), got {ratio}")
+    return max(1, math.ceil(total_tokens / ratio))
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool = True, system: str | None = None):
+    """Tokenize prompts, left-padded, through the chat template when ``chat`` (and the tokenizer has one).
+
+    Returns a ``BatchEncoding`` with ``input_ids`` and ``attention_mask`` ``[batch, tokens]``.
+
+    Raises:
+        ValueError: for an empty prompt.
+    """
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"prompt {i} is empty: give some text")
+    tokenizer.padding_side = "left"
+    if chat and getattr(tokenizer, "chat_template", None):
+        texts = []
+        for p in prompts:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
+            texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return tokenizer(list(prompts), return_tensors="pt", padding=True)
+
+
+@dataclass
+class Completion:
+    """One generated continuation: ``text``, its token ids, and whether it ended with end-of-sequence."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finished: bool
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class GenerationResult:
+    """Completions of one batch, the cache statistics and timings (seconds)."""
+
+    completions: list[Completion]
+    stats: CacheStats
+    seconds: float
+    first_token_seconds: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(c.new_tokens for c in self.completions)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput: tokens after the first one, over the time after the first one (all rows)."""
+        decode = self.seconds - self.first_token_seconds
+        steps = max(max((c.new_tokens for c in self.completions), default=0) - 1, 0)
+        rows = len(self.completions)
+        return steps * rows / decode if decode > 0 else 0.0
+
+    def stats_line(self) -> str:
+        st = self.stats
+        mib = 2.0**20
+        prompt = sum(c.prompt_tokens for c in self.completions)
+        return (
+            f"[vase] prompt {prompt} tok, generated {self.new_tokens} tok | policy {st.policy}, "
+            f"{st.evictions} evictions | KV {st.slots_held}/{st.capacity} slots (budget {st.budget} + buffer "
+            f"{st.buffer}), {st.bytes_held / mib:.2f} MiB held vs {st.bytes_full / mib:.2f} MiB full "
+            f"({st.compression:.2f}x) | {self.tokens_per_second:.1f} tok/s, {self.seconds:.1f} s"
+        )
+
+
+class _Clock:
+    """A streamer that notes when the first new token arrives, and forwards to another streamer."""
+
+    def __init__(self, inner=None):
+        self.inner, self.calls, self.first = inner, 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        if self.inner is not None:
+            self.inner.end()
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: str | Sequence[str],
+    *,
+    policy: str = "vase",
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    buffer: int = 64,
+    sinks: int = 4,
+    window: int | None = None,
+    seed: int | Sequence[int] = 0,
+    compress_prompt: bool = True,
+    max_new_tokens: int = 512,
+    min_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    chat: bool = True,
+    system: str | None = None,
+    streamer=None,
+    **policy_options,
+) -> GenerationResult:
+    """Generate from ``prompts`` with an :class:`~vase.EvictingCache`.
+
+    Args:
+        prompts: one prompt or a list (batched, left-padded).
+        policy, buffer, sinks, window, compress_prompt, policy_options: see :class:`~vase.EvictingCache`.
+        budget: cache budget in tokens; or give ``compression_ratio`` (budget = (prompt + max_new_tokens) /
+            ratio). Default 1024.
+        seed: keys eviction sampling (row i uses ``seed + i``, or one seed per row) and token sampling.
+        temperature: 0 = greedy; > 0 samples with ``top_p`` / ``top_k`` (reasoning models: 0.6 / 0.95 / 20).
+        streamer: a transformers streamer (e.g. ``TextStreamer``) to see text as it is generated (batch 1).
+
+    Raises:
+        ValueError: empty prompt, a prompt longer than the model's context, bad budget / ratio / policy options.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if budget is not None and compression_ratio is not None:
+        raise ValueError("give either a budget or a compression ratio, not both")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    enc = encode_prompts(tokenizer, prompts, chat=chat, system=system)
+    device = next(model.parameters()).device
+    enc = enc.to(device)
+    prompt_len = int(enc["input_ids"].shape[1])
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if context and prompt_len >= context:
+        raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context of {context} tokens")
+    if context and prompt_len + max_new_tokens > context:
+        warnings.warn(f"max_new_tokens cut to {context - prompt_len} to stay within the model's context of {context}")
+        max_new_tokens = context - prompt_len
+    if compression_ratio is not None:
+        budget = budget_for_ratio(compression_ratio, prompt_len + max_new_tokens)
+        budget = max(budget, sinks + buffer + 1)
+    elif budget is None:
+        budget = 1024
+    batch = len(prompts)
+    row_seeds = list(seed) if not isinstance(seed, int) else [seed + i for i in range(batch)]
+    cache = EvictingCache(
+        model, policy=policy, budget=budget, buffer=buffer, sinks=sinks, window=window, seed=row_seeds,
+        compress_prompt=compress_prompt, **policy_options,
+    )
+    sampling = temperature > 0
+    gen_kwargs = dict(
+        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=sampling,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if sampling:
+        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    else:
+        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    clock = _Clock(streamer)
+    torch.manual_seed(row_seeds[0])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, cache=cache, streamer=clock, **gen_kwargs)
+    seconds = time.perf_counter() - start
+    first = (clock.first - start) if clock.first is not None else seconds
+    eos = _eos_ids(model, tokenizer)
+    completions = []
+    lengths = enc["attention_mask"].sum(-1).tolist()
+    for row, ids in enumerate(out[:, prompt_len:].tolist()):
+        finished = False
+        kept = []
+        for t in ids:
+            if t in eos:
+                finished = True
+                break
+            kept.append(t)
+        text = tokenizer.decode(kept, skip_special_tokens=True)
+        completions.append(Completion(text=text, token_ids=kept, prompt_tokens=int(lengths[row]), finished=finished))
+    return GenerationResult(completions=completions, stats=cache.stats(), seconds=seconds, first_token_seconds=first)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
