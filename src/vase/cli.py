@@ -193,6 +193,142 @@ def demo(
     )
 
 
+def _csv(text: Optional[str], cast=str) -> list:
+    if text is None or not str(text).strip():
+        return []
+    try:
+        return [cast(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"could not read {text!r} as a comma-separated list of {cast.__name__}") from None
+
+
+def _policies(text: str) -> list[str]:
+    from .policies import POLICY_NAMES
+
+    return list(POLICY_NAMES) if text == "all" else _csv(text)
+
+
+@app.command("eval")
+@friendly
+def eval_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="results directory (resumes if it exists)"),
+    tasks: str = typer.Option("gsm8k", help="comma-separated task names or JSONL files"),
+    policies: str = typer.Option("full,streaming_llm,snapkv,rkv,vase", help="comma-separated, or 'all'"),
+    budgets: Optional[str] = typer.Option(None, help="comma-separated budgets in tokens"),
+    ratios: Optional[str] = typer.Option(None, help="comma-separated compression ratios"),
+    seeds: str = typer.Option("0", help="comma-separated seeds: k seeds = k samples per problem"),
+    limit: Optional[int] = typer.Option(None, help="first N problems of each task"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
+    greedy: bool = typer.Option(False, "--greedy", help="greedy decoding (CPU smoke runs)"),
+    temperature: float = typer.Option(0.6, help="sampling temperature (reasoning-model default 0.6)"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(20, "--top-k"),
+    buffer: int = BufferOpt,
+    batch_size: int = typer.Option(4, "--batch-size", help="completions generated together"),
+    shard: Optional[str] = typer.Option(None, help="I/N: run every N-th work unit starting at I"),
+    question_field: Optional[str] = typer.Option(None, "--question-field"),
+    answer_field: str = typer.Option("answer", "--answer-field"),
+    model: Optional[str] = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+):
+    """Accuracy sweep: policies x budgets/ratios x tasks x seeds, one JSONL record per completion; resumable."""
+    from .evaluate import EvalConfig, parse_shard, run_sweep
+
+    _threads()
+    config = EvalConfig(
+        model=model or "smollm2", dtype=dtype, attn=attn, tasks=_csv(tasks), policies=_policies(policies),
+        budgets=_csv(budgets, int), ratios=_csv(ratios, float), seeds=_csv(seeds, int), limit=limit,
+        max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
+        buffer=buffer, question_field=question_field, answer_field=answer_field,
+    )
+    path = run_sweep(config, out, shard=parse_shard(shard), batch_size=batch_size, device=device)
+    typer.echo(f"[vase] records in {path}; summary: vase report {out}")
+
+
+@app.command()
+@friendly
+def merge(
+    dest: Path = typer.Argument(..., help="results directory to write records.jsonl into"),
+    sources: list[Path] = typer.Argument(..., help="results directories (shards) of the same configuration"),
+):
+    """Join the shards of a sweep (run on several machines) into one results directory."""
+    from .evaluate import merge as do_merge
+
+    n, missing = do_merge(dest, sources)
+    typer.echo(f"[vase] {n} records in {dest / 'records.jsonl'}; {missing} work units of the grid still missing")
+
+
+@app.command()
+@friendly
+def fidelity(
+    out: Path = typer.Option(..., "--out", "-o", help="results directory (resumes if it exists)"),
+    source: str = typer.Option("gsm8k", help="task name / JSONL (model's own reasoning), or text:PATH"),
+    prompts: int = typer.Option(20, help="number of prompts (text windows for text:PATH)"),
+    tokens: int = typer.Option(1024, help="continuation length in tokens"),
+    policies: str = typer.Option("all", help="comma-separated, or 'all'"),
+    ratios: Optional[str] = typer.Option("2,4,8", help="comma-separated compression ratios"),
+    budgets: Optional[str] = typer.Option(None, help="comma-separated budgets in tokens"),
+    buffer: int = BufferOpt,
+    bucket: int = typer.Option(256, help="position bucket size for the per-position report"),
+    seed: int = SeedOpt,
+    model: Optional[str] = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+):
+    """KL(full || policy), top-1 agreement and perplexity change, replaying the full cache's continuation."""
+    from .fidelity import FidelityConfig, run_fidelity
+
+    _threads()
+    config = FidelityConfig(
+        model=model or "smollm2", dtype=dtype, attn=attn, source=source, prompts=prompts, tokens=tokens,
+        policies=_policies(policies), ratios=_csv(ratios, float), budgets=_csv(budgets, int), buffer=buffer,
+        bucket=bucket, seed=seed,
+    )
+    path = run_fidelity(config, out, device=device)
+    typer.echo(f"[vase] records in {path}; summary: vase report {out}")
+
+
+@app.command()
+@friendly
+def inspect(
+    prompt: Optional[str] = typer.Argument(None, help="prompt text ('-' reads stdin)"),
+    data: Optional[str] = typer.Option(None, "--data", help="JSONL file or task name"),
+    index: int = typer.Option(0, "--index"),
+    generate_tokens: int = typer.Option(0, "--generate", help="also generate this many tokens (full cache) first"),
+    out: Path = typer.Option(Path("inspect"), "--out", "-o", help="folder for the PNG heat-map and JSON"),
+    top: int = typer.Option(5, help="tokens listed per layer"),
+    model: Optional[str] = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+):
+    """Value and key magnitudes per layer and KV head: does the model have the large values the guard protects?"""
+    from .magnitudes import inspect_model
+    from .models import load_model
+
+    text = _prompt_text(prompt, data, index, None, "auto")
+    _threads()
+    lm = load_model(model, dtype=dtype, device=device)
+    report = inspect_model(lm, text, out, generate_tokens=generate_tokens, top=top)
+    typer.echo(report)
+
+
+@app.command()
+@friendly
+def report(
+    results: Path = typer.Argument(..., help="results directory of `vase eval` or `vase fidelity`"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="where REPORT.md and the PNGs go (default: RESULTS)"),
+):
+    """Markdown tables and PNG plots from a results directory."""
+    from .report import write_report
+
+    path = write_report(results, out or results)
+    typer.echo(path.read_text())
+    typer.echo(f"[vase] written {path}")
+
+
 def main():  # pragma: no cover - console entry point
     app()
 

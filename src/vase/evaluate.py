@@ -1,0 +1,335 @@
+"""Accuracy sweeps: policies x budgets (or compression ratios) x tasks x seeds, one JSONL record per completion.
+
+Layout of a results directory::
+
+    config.json                      the sweep's configuration (a run refuses to mix configurations)
+    records.jsonl                    one record per completion (or records.shard-I-of-N.jsonl per shard)
+
+Records are appended and flushed after every batch, so an interrupt (even ``kill -9``) loses at most the batch in
+flight; running the same command again skips what is done. ``--shard I/N`` splits the work units between machines;
+:func:`merge` joins their directories.
+
+A work unit is (task, problem, policy, budget, seed): k seeds give k samples per problem, and pass@1 is the mean
+over problems of the per-problem mean correctness, with its standard error over problems.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from pydantic import BaseModel, Field, field_validator
+
+from .data import Problem, load_problems
+
+CONFIG_FILE = "config.json"
+RECORDS = "records.jsonl"
+
+
+class EvalConfig(BaseModel):
+    """Everything that decides the results of a sweep (the shard excepted)."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    attn: str = "sdpa"
+    tasks: list[str]
+    policies: list[str]
+    budgets: list[int] = Field(default_factory=list)
+    ratios: list[float] = Field(default_factory=list)
+    seeds: list[int] = Field(default_factory=lambda: [0])
+    limit: int | None = None
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 0.95
+    top_k: int = 20
+    buffer: int = 64
+    question_field: str | None = None
+    answer_field: str = "answer"
+    policy_options: dict = Field(default_factory=dict)
+
+    @field_validator("policies")
+    @classmethod
+    def _known_policies(cls, v):
+        from .policies import POLICY_NAMES
+
+        bad = [p for p in v if p not in POLICY_NAMES]
+        if bad:
+            raise ValueError(f"unknown policy {bad[0]!r}; valid policies: {', '.join(POLICY_NAMES)}")
+        return v
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios(cls, v):
+        for r in v:
+            if not r > 1:
+                raise ValueError(f"compression ratio must be > 1, got {r}")
+        return v
+
+    def sizes(self) -> list[tuple[str, float]]:
+        """The cache sizes of the grid: ('budget', tokens) and ('ratio', r) entries."""
+        out = [("budget", float(b)) for b in self.budgets] + [("ratio", float(r)) for r in self.ratios]
+        if not out:
+            raise ValueError("give at least one budget or compression ratio")
+        return out
+
+
+def unit_key(task: str, problem_id: str, policy: str, size: tuple[str, float], seed: int) -> str:
+    return f"{task}|{problem_id}|{policy}|{size[0]}={size[1]:g}|{seed}"
+
+
+def record_key(rec: dict) -> str:
+    size = ("ratio", rec["ratio"]) if rec.get("ratio") is not None else ("budget", rec["budget"])
+    return unit_key(rec["task"], rec["problem_id"], rec["policy"], size, rec["seed"])
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """``'I/N'`` -> (I, N) with 0 <= I < N; None -> (0, 1).
+
+    Raises:
+        ValueError: for a malformed shard.
+    """
+    if not text:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard must look like I/N (e.g. 0/4), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard {text!r}: need 0 <= I < N")
+    return i, n
+
+
+def records_path(out: Path, shard: tuple[int, int]) -> Path:
+    return out / (RECORDS if shard[1] == 1 else f"records.shard-{shard[0]}-of-{shard[1]}.jsonl")
+
+
+def read_records(path: Path) -> list[dict]:
+    """Records of a JSONL file; a truncated last line (interrupted write) is ignored."""
+    out = []
+    if not path.exists():
+        return out
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def all_records(out: Path) -> list[dict]:
+    """Every record under a results directory (all shards), without duplicates."""
+    seen, recs = set(), []
+    for path in sorted(out.glob("records*.jsonl")):
+        for r in read_records(path):
+            k = record_key(r)
+            if k not in seen:
+                seen.add(k)
+                recs.append(r)
+    return recs
+
+
+def prepare_dir(out: Path, config: EvalConfig) -> None:
+    """Create ``out`` with its config, or check that an existing one holds the same configuration.
+
+    Raises:
+        ValueError: if ``out`` holds results of another configuration (names the first difference).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / CONFIG_FILE
+    mine = json.loads(config.model_dump_json())
+    if path.exists():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            diff = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
+            raise ValueError(
+                f"{out} holds results of another configuration ({diff}: {theirs.get(diff)!r} there, "
+                f"{mine.get(diff)!r} now); rerun with the same options to resume, or give a new --out to start afresh"
+            )
+    else:
+        path.write_text(json.dumps(mine, indent=1) + "\n")
+
+
+def load_config(out: Path) -> EvalConfig:
+    path = out / CONFIG_FILE
+    if not path.exists():
+        raise ValueError(f"{out} is not a vase results directory (no {CONFIG_FILE})")
+    return EvalConfig.model_validate_json(path.read_text())
+
+
+def work_units(config: EvalConfig, problems: dict[str, list[Problem]]) -> list[tuple]:
+    """All (task, problem, policy, size, seed) units of the grid, in a fixed order."""
+    units = []
+    for task in config.tasks:
+        for policy in config.policies:
+            for size in config.sizes():
+                for seed in config.seeds:
+                    for p in problems[task]:
+                        units.append((task, p, policy, size, seed))
+    return units
+
+
+def shard_units(units: list[tuple], shard: tuple[int, int]) -> list[tuple]:
+    i, n = shard
+    return [u for j, u in enumerate(units) if j % n == i]
+
+
+def _batches(units: list[tuple], size: int) -> Iterator[list[tuple]]:
+    """Consecutive units that share (task, policy, size), at most ``size`` at a time."""
+    batch: list[tuple] = []
+    for u in units:
+        if batch and (batch[0][0], batch[0][2], batch[0][3]) != (u[0], u[2], u[3]) or len(batch) == size:
+            yield batch
+            batch = []
+        batch.append(u)
+    if batch:
+        yield batch
+
+
+def run_sweep(
+    config: EvalConfig,
+    out: Path,
+    shard: tuple[int, int] = (0, 1),
+    batch_size: int = 4,
+    device: str = "auto",
+    progress: bool = True,
+    lm=None,
+) -> Path:
+    """Run (or resume) a sweep; returns the records file.
+
+    Raises:
+        ValueError: another configuration in ``out``, unknown task files or fields, bad grid values.
+    """
+    from tqdm.auto import tqdm
+
+    from .generation import encode_prompts, generate
+    from .grading import grade
+    from .loops import loop_flag
+    from .models import load_model
+
+    problems = {
+        t: load_problems(t, question_field=config.question_field, answer_field=config.answer_field)[: config.limit]
+        for t in config.tasks
+    }
+    config.sizes()
+    prepare_dir(out, config)
+    path = records_path(out, shard)
+    done = {record_key(r) for r in read_records(path)}
+    units = shard_units(work_units(config, problems), shard)
+    todo = [u for u in units if unit_key(u[0], u[1].id, u[2], u[3], u[4]) not in done]
+    if not todo:
+        return path
+    lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
+    budgets = _ratio_budgets(config, problems, lm.tokenizer, encode_prompts)
+    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"eval {out.name}", unit="completion",
+               disable=not progress, dynamic_ncols=True)
+    with path.open("a", encoding="utf-8") as fh:
+        for batch in _batches(todo, batch_size):
+            task, _, policy, size, _ = batch[0]
+            budget = int(size[1]) if size[0] == "budget" else budgets[(task, size[1])]
+            start = time.perf_counter()
+            res = generate(
+                lm.model, lm.tokenizer, [u[1].prompt() for u in batch], policy=policy, budget=budget,
+                buffer=config.buffer, seed=[u[4] for u in batch], max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, **config.policy_options,
+            )
+            seconds = time.perf_counter() - start
+            st = res.stats
+            for (task, problem, policy, size, seed), comp in zip(batch, res.completions):
+                answer, correct = grade(comp.text, problem.answer, problem.kind)
+                rec = {
+                    "task": task, "problem_id": problem.id, "policy": policy, "budget": budget,
+                    "ratio": size[1] if size[0] == "ratio" else None, "seed": seed, "gold": problem.answer,
+                    "answer": answer, "correct": bool(correct), "loop": loop_flag(comp.text, comp.finished),
+                    "new_tokens": comp.new_tokens, "prompt_tokens": comp.prompt_tokens, "finished": comp.finished,
+                    "evictions": st.evictions, "kv_bytes": st.bytes_held // max(st.batch, 1),
+                    "kv_bytes_full": st.bytes_full // max(st.batch, 1), "seconds": round(seconds, 3),
+                    "batch_size": len(batch), "text": comp.text,
+                }
+                fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            bar.update(len(batch))
+    bar.close()
+    return path
+
+
+def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
+    """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1."""
+    out = {}
+    for task, plist in problems.items():
+        if not config.ratios or not plist:
+            continue
+        lengths = [int(encode_prompts(tokenizer, [p.prompt()])["input_ids"].shape[1]) for p in plist[:50]]
+        total = statistics.median(lengths) + config.max_new_tokens
+        for r in config.ratios:
+            out[(task, r)] = max(math.ceil(total / r), config.buffer + 5)
+    return out
+
+
+def merge(dest: Path, sources: Iterable[Path]) -> tuple[int, int]:
+    """Join the records of ``sources`` (results directories of one configuration, e.g. shards run on several
+    machines) into ``dest/records.jsonl``. Returns (records written, units of the grid still missing).
+
+    Raises:
+        ValueError: if the sources hold different configurations.
+    """
+    sources = list(sources)
+    if not sources:
+        raise ValueError("give at least one results directory to merge")
+    config = load_config(sources[0])
+    for s in sources[1:]:
+        other = load_config(s)
+        if other != config:
+            raise ValueError(f"{s} holds another configuration than {sources[0]}: cannot merge them")
+    recs, seen = [], set()
+    for s in [dest, *sources] if (dest / CONFIG_FILE).exists() else sources:
+        for r in all_records(s):
+            k = record_key(r)
+            if k not in seen:
+                seen.add(k)
+                recs.append(r)
+    prepare_dir(dest, config)
+    tmp = dest / (RECORDS + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for r in recs:
+            fh.write(json.dumps(r) + "\n")
+    tmp.replace(dest / RECORDS)
+    for shard_file in dest.glob("records.shard-*.jsonl"):
+        shard_file.unlink()
+    problems = {
+        t: load_problems(t, question_field=config.question_field, answer_field=config.answer_field)[: config.limit]
+        for t in config.tasks
+    }
+    expected = {unit_key(u[0], u[1].id, u[2], u[3], u[4]) for u in work_units(config, problems)}
+    return len(recs), len(expected - seen)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (task, policy, budget, ratio): pass@1 and its standard error (over problems, in %), loop rate
+    (%), mean generated tokens, mean KV bytes held and a full cache's, completions and problems counted."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["task"], r["policy"], r["budget"], r.get("ratio")), []).append(r)
+    rows = []
+    for (task, policy, budget, ratio), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        per_problem: dict[str, list[bool]] = {}
+        for r in recs:
+            per_problem.setdefault(r["problem_id"], []).append(bool(r["correct"]))
+        means = [sum(v) / len(v) for v in per_problem.values()]
+        acc = 100 * sum(means) / len(means)
+        se = 100 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
+        rows.append({
+            "task": task, "policy": policy, "budget": budget, "ratio": ratio, "pass1": acc, "se": se,
+            "loop_rate": 100 * sum(r["loop"] for r in recs) / len(recs),
+            "mean_tokens": sum(r["new_tokens"] for r in recs) / len(recs),
+            "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
+            "kv_bytes_full": sum(r["kv_bytes_full"] for r in recs) / len(recs),
+            "completions": len(recs), "problems": len(means),
+        })
+    return rows

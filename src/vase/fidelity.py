@@ -1,0 +1,224 @@
+"""Fidelity to the full cache: how far a policy's next-token distributions drift from the full cache's.
+
+Works where a model is too small to solve the tasks. For each source (a task prompt with the model's own reasoning
+as continuation, generated once with the full cache; or a window of a long text), the continuation is replayed
+teacher-forced through a policy's cache and through the full cache, and at every position we compare the two
+next-token distributions: KL(full || policy) in nats, top-1 agreement, and the perplexity of the continuation.
+
+Replay feeds the continuation in chunks that end exactly where the cache would evict during token-by-token decoding
+(first when the fill reaches budget + buffer, then every ``buffer`` tokens), so every token attends to exactly the
+entries it would have seen while decoding, at the cost of a prefill. The full-cache reference is replayed with the
+same chunks, so a budget that covers the whole length gives exactly zero KL and full agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field
+
+from .evaluate import prepare_dir, read_records
+
+SOURCES_FILE = "sources.jsonl"
+RECORDS = "fidelity.jsonl"
+
+
+class FidelityConfig(BaseModel):
+    """What decides a fidelity run's results."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    attn: str = "sdpa"
+    source: str = "gsm8k"  # a task name / JSONL file, or text:PATH
+    prompts: int = 20
+    tokens: int = 1024
+    prefix_tokens: int = 64  # text sources: tokens of context before the continuation
+    policies: list[str]
+    ratios: list[float] = Field(default_factory=lambda: [2.0, 4.0, 8.0])
+    budgets: list[int] = Field(default_factory=list)
+    buffer: int = 64
+    bucket: int = 256
+    seed: int = 0
+
+
+def schedule(prompt: int, fed: int, budget: int, buffer: int) -> list[int]:
+    """Chunk sizes (tokens) for replaying ``fed`` tokens after a ``prompt``-token prefill so that each chunk ends
+    where the cache evicts (fill reaches ``budget + buffer``), as in token-by-token decoding."""
+    limit = budget + buffer
+    fill = prompt if prompt < limit else budget
+    chunks, left = [], fed
+    while left > 0:
+        c = min(left, limit - fill)
+        chunks.append(c)
+        fill += c
+        if fill >= limit:
+            fill = budget
+        left -= c
+    return chunks
+
+
+@torch.inference_mode()
+def replay(model, prompt_ids: torch.Tensor, continuation: torch.Tensor, policy: str, budget: int, buffer: int,
+           seed: int = 0) -> torch.Tensor:
+    """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
+
+    Args:
+        prompt_ids: ``[P]`` token ids; continuation: ``[T]`` token ids (the targets).
+    """
+    from .cache import EvictingCache
+
+    dev = next(model.parameters()).device
+    cache = EvictingCache(model, policy=policy, budget=budget, buffer=buffer, seed=seed)
+    out = [torch.log_softmax(model(input_ids=prompt_ids.view(1, -1).to(dev), cache=cache).logits[0, -1:].float(), -1)]
+    fed = continuation[:-1]
+    start = 0
+    for c in schedule(prompt_ids.numel(), fed.numel(), budget, buffer):
+        logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), cache=cache).logits[0]
+        out.append(torch.log_softmax(logits.float(), -1))
+        start += c
+    return torch.cat(out).cpu()
+
+
+def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket: int) -> dict:
+    """Per-position KL(full || policy), top-1 agreement and NLL, averaged overall and per position bucket."""
+    kl = (ref.exp() * (ref - pol)).sum(-1).clamp_min(0.0)
+    top1 = (ref.argmax(-1) == pol.argmax(-1)).float()
+    idx = targets.view(-1, 1)
+    nll_ref = -ref.gather(1, idx).squeeze(1)
+    nll_pol = -pol.gather(1, idx).squeeze(1)
+    n = kl.numel()
+
+    def agg(sl):
+        return {
+            "kl": kl[sl].mean().item(), "top1": top1[sl].mean().item(),
+            "nll_full": nll_ref[sl].mean().item(), "nll_policy": nll_pol[sl].mean().item(),
+        }
+
+    whole = agg(slice(0, n))
+    buckets = [{"start": s, "end": min(s + bucket, n), **agg(slice(s, min(s + bucket, n)))} for s in range(0, n, bucket)]
+    return {
+        "kl_mean": whole["kl"], "top1": whole["top1"], "ppl_full": math.exp(whole["nll_full"]),
+        "ppl_policy": math.exp(whole["nll_policy"]),
+        "ppl_change": math.exp(whole["nll_policy"] - whole["nll_full"]) - 1.0, "buckets": buckets,
+    }
+
+
+def build_sources(config: FidelityConfig, lm, progress: bool = True) -> list[dict]:
+    """Prompts and continuations: ``{"id", "prompt": [ids], "continuation": [ids]}``."""
+    if config.source.startswith("text:"):
+        path = Path(config.source[5:]).expanduser()
+        if not path.exists():
+            raise ValueError(f"text file not found: {path}")
+        ids = lm.tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        span = config.prefix_tokens + config.tokens
+        if len(ids) < span:
+            raise ValueError(f"{path} has {len(ids)} tokens, fewer than prefix + tokens = {span}")
+        step = max((len(ids) - span) // max(config.prompts, 1), 1)
+        return [
+            {"id": f"{path.name}@{i * step}", "prompt": ids[i * step : i * step + config.prefix_tokens],
+             "continuation": ids[i * step + config.prefix_tokens : i * step + span]}
+            for i in range(config.prompts)
+        ]
+    from tqdm.auto import tqdm
+
+    from .data import load_problems
+    from .generation import generate
+
+    problems = load_problems(config.source, require_answer=False)[: config.prompts]
+    out = []
+    for p in tqdm(problems, desc="reference reasoning (full cache)", disable=not progress, dynamic_ncols=True):
+        res = generate(lm.model, lm.tokenizer, p.prompt(), policy="full", budget=config.tokens + 64,
+                       max_new_tokens=config.tokens, min_new_tokens=config.tokens, seed=config.seed)
+        from .generation import encode_prompts
+
+        prompt = encode_prompts(lm.tokenizer, [p.prompt()])["input_ids"][0].tolist()
+        out.append({"id": f"{p.task}:{p.id}", "prompt": prompt, "continuation": res.completions[0].token_ids})
+    return out
+
+
+def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
+    """Run (or resume) a fidelity sweep into ``out/fidelity.jsonl``; returns that path.
+
+    Raises:
+        ValueError: another configuration in ``out``, an unknown policy or source.
+    """
+    from tqdm.auto import tqdm
+
+    from .models import load_model
+    from .policies import make_policy
+
+    for p in config.policies:
+        make_policy(p)
+    if not config.ratios and not config.budgets:
+        raise ValueError("give at least one compression ratio or budget")
+    for r in config.ratios:
+        if not r > 1:
+            raise ValueError(f"compression ratio must be > 1, got {r}")
+    prepare_dir(out, config)
+    lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
+    src_path = out / SOURCES_FILE
+    sources = read_records(src_path)
+    if len(sources) < config.prompts:
+        sources = build_sources(config, lm, progress)
+        with src_path.open("w", encoding="utf-8") as fh:
+            for s in sources:
+                fh.write(json.dumps(s) + "\n")
+    path = out / RECORDS
+    done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
+    sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
+    total = len(sources) * len(sizes) * len(config.policies)
+    bar = tqdm(total=total, initial=len(done), desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
+    with path.open("a", encoding="utf-8") as fh:
+        for s in sources:
+            prompt, cont = torch.tensor(s["prompt"]), torch.tensor(s["continuation"])
+            length = prompt.numel() + cont.numel()
+            for kind, value in sizes:
+                budget = int(value) if kind == "budget" else max(math.ceil(length / value), config.buffer + 5)
+                todo = [p for p in config.policies if (s["id"], p, budget) not in done]
+                if not todo:
+                    continue
+                ref = replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)
+                for policy in todo:
+                    pol = ref if policy == "full" else replay(lm.model, prompt, cont, policy, budget, config.buffer, config.seed)
+                    rec = {
+                        "source": s["id"], "policy": policy, "budget": budget,
+                        "ratio": value if kind == "ratio" else None, "compression": length / budget,
+                        "prompt_tokens": prompt.numel(), "tokens": cont.numel(),
+                        **compare(ref, pol, cont, config.bucket),
+                    }
+                    fh.write(json.dumps(rec) + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    bar.update(1)
+    bar.close()
+    return path
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Mean over sources per (policy, ratio or budget): KL, top-1 (%), perplexity change (%), and per bucket."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        size = ("ratio", r["ratio"]) if r.get("ratio") is not None else ("budget", r["budget"])
+        groups.setdefault((r["policy"], size), []).append(r)
+    rows = []
+    for (policy, size), recs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        n = len(recs)
+        nb = min(len(r["buckets"]) for r in recs)
+        rows.append({
+            "policy": policy, "size": size, "sources": n,
+            "compression": sum(r["compression"] for r in recs) / n,
+            "kl": sum(r["kl_mean"] for r in recs) / n,
+            "top1": 100 * sum(r["top1"] for r in recs) / n,
+            "ppl_change": 100 * sum(r["ppl_change"] for r in recs) / n,
+            "buckets": [
+                {"start": recs[0]["buckets"][i]["start"], "end": recs[0]["buckets"][i]["end"],
+                 "kl": sum(r["buckets"][i]["kl"] for r in recs) / n,
+                 "top1": 100 * sum(r["buckets"][i]["top1"] for r in recs) / n}
+                for i in range(nb)
+            ],
+        })
+    return rows
