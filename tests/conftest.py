@@ -22,6 +22,33 @@ def tiny_model(family: str = "llama", attn: str = "sdpa", kv_heads: int = 2, lay
     return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()
 
 
+class TinyTokenizer:
+    """Characters to ids for the tiny random models (no chat template); decodes ids to digits."""
+
+    pad_token_id, eos_token_id, pad_token, eos_token, chat_template, padding_side = 0, 2, "<pad>", "<eos>", None, "left"
+
+    def __call__(self, texts, return_tensors="pt", padding=True, **kw):
+        from transformers import BatchEncoding
+
+        texts = [texts] if isinstance(texts, str) else texts
+        ids = [[3 + (ord(c) % 100) for c in t][-60:] for t in texts]
+        n = max(map(len, ids))
+        return BatchEncoding({
+            "input_ids": torch.tensor([[0] * (n - len(x)) + x for x in ids]),
+            "attention_mask": torch.tensor([[0] * (n - len(x)) + [1] * len(x) for x in ids]),
+        })
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i % 10) for i in ids)
+
+
+def tiny_lm(family="llama"):
+    from vase.models import LoadedModel
+
+    return LoadedModel(model=tiny_model(family), tokenizer=TinyTokenizer(), name="tiny", device=torch.device("cpu"),
+                       dtype=torch.float32)
+
+
 @pytest.fixture(params=["llama", "qwen3"])
 def family(request):
     return request.param

@@ -16,7 +16,7 @@ import vase
 from vase.cli import app
 from vase.generation import encode_prompts, generate
 
-from .conftest import need_data, tiny_model
+from .conftest import TinyTokenizer, need_data, tiny_model
 
 runner = CliRunner()
 STATS = re.compile(
@@ -70,30 +70,14 @@ def test_embedded_with_eviction_stays_bounded(embedded):
 def test_python_api_batch_and_ratio():
     model = tiny_model("llama")
 
-    class Tok:  # a minimal tokenizer for the tiny random model
-        pad_token_id, eos_token_id, chat_template, padding_side = 0, 2, None, "left"
-
-        def __call__(self, texts, return_tensors="pt", padding=True, **kw):
-            from transformers import BatchEncoding
-
-            ids = [[3 + (ord(c) % 100) for c in t] for t in texts]
-            n = max(map(len, ids))
-            return BatchEncoding({
-                "input_ids": torch.tensor([[0] * (n - len(x)) + x for x in ids]),
-                "attention_mask": torch.tensor([[0] * (n - len(x)) + [1] * len(x) for x in ids]),
-            })
-
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
-
-    res = generate(model, Tok(), ["hello there, a longer prompt", "hi"], policy="snapkv", compression_ratio=2.0,
+    res = generate(model, TinyTokenizer(), ["hello there, a longer prompt", "hi"], policy="snapkv", compression_ratio=2.0,
                    buffer=4, max_new_tokens=30, min_new_tokens=30)
     assert [c.new_tokens for c in res.completions] == [30, 30]
     assert res.stats.budget == (28 + 30 + 1) // 2
     with pytest.raises(ValueError, match="compression ratio must be > 1"):
-        generate(model, Tok(), "x", compression_ratio=0.5)
+        generate(model, TinyTokenizer(), "x", compression_ratio=0.5)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        generate(model, Tok(), "  ")
+        generate(model, TinyTokenizer(), "  ")
 
 
 # --------------------------------------------------------------------------------------- bad input, CLI level

@@ -108,6 +108,17 @@ def records_path(out: Path, shard: tuple[int, int]) -> Path:
     return out / (RECORDS if shard[1] == 1 else f"records.shard-{shard[0]}-of-{shard[1]}.jsonl")
 
 
+def repair_tail(path: Path) -> None:
+    """Cut a torn last line (a write interrupted by ``kill -9``) so that appending starts on a fresh line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as fh:
+        data = fh.read()
+        if data.endswith(b"\n"):
+            return
+        fh.truncate(data.rfind(b"\n") + 1)
+
+
 def read_records(path: Path) -> list[dict]:
     """Records of a JSONL file; a truncated last line (interrupted write) is ignored."""
     out = []
@@ -219,9 +230,10 @@ def run_sweep(
     config.sizes()
     prepare_dir(out, config)
     path = records_path(out, shard)
+    repair_tail(path)
     done = {record_key(r) for r in read_records(path)}
     units = shard_units(work_units(config, problems), shard)
-    todo = [u for u in units if unit_key(u[0], u[1].id, u[2], u[3], u[4]) not in done]
+    todo = [u for u in units if unit_key(u[1].task, u[1].id, u[2], u[3], u[4]) not in done]
     if not todo:
         return path
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
@@ -243,7 +255,7 @@ def run_sweep(
             for (task, problem, policy, size, seed), comp in zip(batch, res.completions):
                 answer, correct = grade(comp.text, problem.answer, problem.kind)
                 rec = {
-                    "task": task, "problem_id": problem.id, "policy": policy, "budget": budget,
+                    "task": problem.task, "problem_id": problem.id, "policy": policy, "budget": budget,
                     "ratio": size[1] if size[0] == "ratio" else None, "seed": seed, "gold": problem.answer,
                     "answer": answer, "correct": bool(correct), "loop": loop_flag(comp.text, comp.finished),
                     "new_tokens": comp.new_tokens, "prompt_tokens": comp.prompt_tokens, "finished": comp.finished,
@@ -306,7 +318,7 @@ def merge(dest: Path, sources: Iterable[Path]) -> tuple[int, int]:
         t: load_problems(t, question_field=config.question_field, answer_field=config.answer_field)[: config.limit]
         for t in config.tasks
     }
-    expected = {unit_key(u[0], u[1].id, u[2], u[3], u[4]) for u in work_units(config, problems)}
+    expected = {unit_key(u[1].task, u[1].id, u[2], u[3], u[4]) for u in work_units(config, problems)}
     return len(recs), len(expected - seen)
 
 
