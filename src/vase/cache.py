@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from torch.profiler import record_function
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention as attn
@@ -39,6 +40,14 @@ from .scoring import EvictionContext
 from .selection import pack_valid, structural_masks
 
 SUPPORTED_LAYER_TYPES = ("full_attention",)
+
+
+def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor from host values, without a host-device synchronization (pinned, non-blocking)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @dataclass
@@ -114,9 +123,10 @@ class _Step:
     def p_old(self) -> int:
         return max(self.fill_before) if self.fill_before else 0
 
-    def tensor(self, name: str, values: Sequence[int]) -> torch.Tensor:
+    def tensor(self, name, values: Sequence[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the step's device, uploaded once per step under ``name``."""
         if name not in self._memo:
-            self._memo[name] = torch.tensor(values, dtype=torch.long, device=self.device)
+            self._memo[name] = upload(values, self.device)
         return self._memo[name]
 
     def new_positions(self) -> torch.Tensor:
@@ -347,11 +357,12 @@ class EvictingLayer(CacheLayerMixin):
         step = c._step
         self._awaiting_attention = False
         t0 = time.perf_counter() if step.evict_rows else None
-        if step.append:
-            if step.evict_rows:
-                self._compact_rows(step)
-        else:
-            self._write_staged(step)
+        with record_function("vase.evict" if step.evict_rows else "vase.write"):
+            if step.append:
+                if step.evict_rows:
+                    self._compact_rows(step)
+            else:
+                self._write_staged(step)
         self._staged = None
         if t0 is not None:
             if c.profile and self.keys.is_cuda:
@@ -360,11 +371,10 @@ class EvictingLayer(CacheLayerMixin):
         c._layer_done(self)
 
     # ----------------------------------------------------------------------------------------------- eviction
-    def _context(self, step, rows, keys, values, positions, valid, state, memo) -> EvictionContext:
+    def _context(self, step, rt, keys, values, positions, valid, state, memo) -> EvictionContext:
         c = self.cache
         forced, candidates = structural_masks(valid, c.sinks, c.buffer)
-        sel_rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=keys.device)
-        pick = (lambda t: t) if sel_rows is None else (lambda t: t.index_select(0, sel_rows))
+        pick = (lambda t: t) if rt is None else (lambda t: t.index_select(0, rt))
         q = qp = qv = None
         if self.queries is not None:
             q, qp, qv = pick(self.queries), pick(self.query_positions), pick(self.query_valid)
@@ -381,9 +391,9 @@ class EvictingLayer(CacheLayerMixin):
     def _select(self, step, rows, keys, values, positions, valid, state) -> torch.Tensor:
         """Policy selection for ``rows`` (None = all); returns slot indices ``[r, H, budget]``."""
         c = self.cache
-        sel_rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=keys.device)
+        sel_rows = None if rows is None else step.tensor(("rows", tuple(rows)), rows)
         memo = self.row_memo["acc_upto"] if sel_rows is None else self.row_memo["acc_upto"].index_select(0, sel_rows)
-        ctx, forced = self._context(step, rows, keys, values, positions, valid, state, memo)
+        ctx, forced = self._context(step, sel_rows, keys, values, positions, valid, state, memo)
         r = keys.shape[0]
         keep = torch.full((r,), c.budget, dtype=torch.long, device=keys.device)
         sel = c.policy.select(ctx, keep, c.budget, forced)
@@ -413,13 +423,14 @@ class EvictingLayer(CacheLayerMixin):
             }
         return sel.indices
 
-    def _write(self, rows, idx: torch.Tensor, keep: list[int], keys, values, positions, state) -> None:
+    @record_function("vase.compact")
+    def _write(self, step, rows, idx: torch.Tensor, keep: list[int], keys, values, positions, state) -> None:
         """Gather ``idx`` ``[r, H, kmax]`` from the source tensors into slots ``[0, kmax)`` of ``rows`` in place."""
         r, h, kmax = idx.shape
         k = keys.gather(2, idx.unsqueeze(-1).expand(r, h, kmax, keys.shape[-1]))
         v = values.gather(2, idx.unsqueeze(-1).expand(r, h, kmax, values.shape[-1]))
         p = positions.gather(2, idx)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=idx.device).view(r, 1, 1)
+        keep_t = step.tensor(("keep", rows is None), keep).view(r, 1, 1)
         free = torch.arange(kmax, device=idx.device).view(1, 1, kmax) >= keep_t
         p = p.masked_fill(free, -1)
         st = {n: s.gather(2, idx).masked_fill(free, 0.0) for n, s in state.items()}
@@ -432,7 +443,7 @@ class EvictingLayer(CacheLayerMixin):
                 self.state[n][:, :, :kmax].copy_(s)
                 self.state[n][:, :, kmax:].zero_()
         else:
-            rt = torch.tensor(rows, dtype=torch.long, device=idx.device)
+            rt = step.tensor(("rows", tuple(rows)), rows)
             self.keys[rt, :, :kmax] = k
             self.values[rt, :, :kmax] = v
             self.positions[rt, :, :kmax] = p
@@ -450,14 +461,14 @@ class EvictingLayer(CacheLayerMixin):
             keys, values, positions = self.keys, self.values, self.positions
             state = dict(self.state)
         else:
-            rt = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+            rt = step.tensor(("rows", tuple(rows)), rows)
             keys, values = self.keys.index_select(0, rt), self.values.index_select(0, rt)
             positions = self.positions.index_select(0, rt)
             state = {n: s.index_select(0, rt) for n, s in self.state.items()}
-        filled = torch.tensor([step.fill_before[i] + step.counts[i] for i in rows], device=keys.device)
+        filled = step.tensor(("filled", tuple(rows)), [step.fill_before[i] + step.counts[i] for i in rows])
         valid = torch.arange(keys.shape[2], device=keys.device).view(1, -1) < filled.view(-1, 1)
         idx = self._select(step, None if whole else rows, keys, values, positions, valid, state)
-        self._write(None if whole else rows, idx, [c.budget] * len(rows), keys, values, positions, state)
+        self._write(step, None if whole else rows, idx, [c.budget] * len(rows), keys, values, positions, state)
 
     def _write_staged(self, step: _Step) -> None:
         """After a multi-token step: write the new real tokens packed, compressing rows that do not fit."""
@@ -489,7 +500,7 @@ class EvictingLayer(CacheLayerMixin):
             if whole:
                 sub = (new_k, new_v, positions, valid, state)
             else:
-                rt = torch.tensor(rows, dtype=torch.long, device=new_k.device)
+                rt = step.tensor(("rows", tuple(rows)), rows)
                 sub = (
                     new_k.index_select(0, rt), new_v.index_select(0, rt), positions.index_select(0, rt),
                     valid.index_select(0, rt), {n: s.index_select(0, rt) for n, s in state.items()},
@@ -499,7 +510,7 @@ class EvictingLayer(CacheLayerMixin):
                 idx[:, :, : c.budget] = sel
             else:
                 idx[rt, :, : c.budget] = sel
-        self._write(None, idx, step.keep, new_k, new_v, positions, state)
+        self._write(step, None, idx, step.keep, new_k, new_v, positions, state)
 
     # ------------------------------------------------------------------------------------------ Cache protocol
     def get_seq_length(self) -> int:
@@ -745,7 +756,7 @@ class EvictingCache(Cache):
             seeds = self.seed if isinstance(self.seed, (list, tuple)) else [self.seed + i for i in range(self.batch)]
             if len(seeds) != self.batch:
                 raise ValueError(f"got {len(seeds)} seeds for a batch of {self.batch} rows: give one per row")
-            self._row_keys = torch.tensor([rng.row_key(s) for s in seeds], dtype=torch.long, device=device)
+            self._row_keys = upload([rng.row_key(s) for s in seeds], device)
         return self._row_keys
 
     # ------------------------------------------------------------------------------------------ Cache protocol

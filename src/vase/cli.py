@@ -329,6 +329,35 @@ def report(
     typer.echo(f"[vase] written {path}")
 
 
+@app.command()
+@friendly
+def bench(
+    out: Path = typer.Option(Path("runs/bench"), "--out", "-o", help="results folder (bench.json, BENCH.md)"),
+    lengths: str = typer.Option("1024,2048,4096,8192", help="marks: new tokens at which to measure"),
+    policies: str = typer.Option("streaming_llm,snapkv,rkv,vase,vase_dkv", help="policies besides the full cache"),
+    budgets: str = typer.Option("256,512,1024", help="comma-separated budgets in tokens"),
+    buffer: int = BufferOpt,
+    profile: bool = typer.Option(False, "--profile", help="only profile the eviction steps of vase and exit"),
+    profile_budget: int = typer.Option(1024, "--profile-budget"),
+    model: Optional[str] = ModelOpt,
+    device: str = DeviceOpt,
+):
+    """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
+    from .bench import profile_eviction, run_bench
+
+    _threads()
+    if profile:
+        from .models import load_model
+
+        lm = load_model(model, device=device)
+        for policy in _csv(policies) or ["vase"]:
+            typer.echo(profile_eviction(lm, policy=policy, budget=profile_budget, buffer=buffer))
+        return
+    data = run_bench(out, _csv(policies), _csv(budgets, int), _csv(lengths, int), buffer=buffer, model=model,
+                     device=device, echo=lambda m: typer.echo(m, err=True))
+    typer.echo((out / "BENCH.md").read_text())
+
+
 def main():  # pragma: no cover - console entry point
     app()
 

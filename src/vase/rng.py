@@ -50,10 +50,10 @@ def hash32(*parts: torch.Tensor | int) -> torch.Tensor:
     if not tensors:
         raise ValueError("hash32 needs at least one tensor part")
     device = tensors[0].device
-    h = torch.zeros((), dtype=torch.int64, device=device) + 0x9E3779B9
+    h = torch.full((), 0x9E3779B9, dtype=torch.int64, device=device)
     for p in parts:
-        p = torch.as_tensor(p, dtype=torch.int64, device=device)
-        h = _mix(h ^ (p & _M32))
+        # Python ints stay kernel arguments (no device scalar, so no host-device copy)
+        h = _mix(h ^ ((p.to(torch.int64) if isinstance(p, torch.Tensor) else int(p)) & _M32))
     return h
 
 

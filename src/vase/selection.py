@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from . import rng
 from .scoring import STREAM_GUARD, STREAM_SAMPLE, EvictionContext
@@ -189,27 +190,39 @@ def select(
     """
     b, h, s = ctx.positions.shape
     cand = ctx.candidates.unsqueeze(1).expand(b, h, s)
-    scores = scorer.score(ctx)
-    key = selector.keys(scores, ctx).clamp(-_KEY_LIMIT, _KEY_LIMIT)
-    pr = torch.where(cand, key, torch.full_like(key, _INVALID))
-    pr = torch.where(forced.unsqueeze(1), torch.full_like(pr, _FORCED), pr)
+    with record_function("vase.score"):
+        scores = scorer.score(ctx)
+    with record_function("vase.select"):
+        key = selector.keys(scores, ctx).clamp(-_KEY_LIMIT, _KEY_LIMIT)
+        pr = torch.where(cand, key, torch.full_like(key, _INVALID))
+        pr = torch.where(forced.unsqueeze(1), torch.full_like(pr, _FORCED), pr)
 
     protected = None
     n_protect = guard.count(ctx.budget) if guard is not None else 0
     if n_protect > 0:
-        n_choose = (keep - forced.sum(-1)).clamp_min(0)  # [b]
-        cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
-        mag = guard.magnitude(ctx).masked_fill(~cand, float("-inf"))
-        k = min(n_protect, s)
-        top_v, top_i = _top(mag, k)
-        ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, 1, 1)) & torch.isfinite(top_v)
-        protected = torch.zeros((b, h, s), dtype=torch.bool, device=mag.device)
-        protected.scatter_(-1, top_i, ok)
-        tier = _PROTECTED if guard.mode == "protect" else _DEMOTED
-        pr = torch.where(protected, torch.full_like(pr, tier), pr)
+        protected, pr = _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect)
 
-    top = _top(pr, kmax)[1]
-    rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, 1, 1)
-    idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
-    idx = idx.masked_fill(idx == s, 0)
+    with record_function("vase.select"):
+        top = _top(pr, kmax)[1]
+        rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, 1, 1)
+        idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
+        idx = idx.masked_fill(idx == s, 0)
     return Selection(indices=idx, forced=forced, protected=protected, scores=scores)
+
+
+@record_function("vase.guard")
+def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
+    """Protect (or demote) the top ``n_protect`` candidates by value magnitude; returns (mask, priorities)."""
+    b, h, s = pr.shape
+    n_choose = (keep - forced.sum(-1)).clamp_min(0)  # [b]
+    cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
+    mag = guard.magnitude(ctx).masked_fill(~cand, float("-inf"))
+    k = min(n_protect, s)
+    top_v, top_i = _top(mag, k)
+    ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, 1, 1)) & torch.isfinite(top_v)
+    protected = torch.zeros((b, h, s), dtype=torch.bool, device=mag.device)
+    protected.scatter_(-1, top_i, ok)
+    tier = _PROTECTED if guard.mode == "protect" else _DEMOTED
+    pr = torch.where(protected, torch.full_like(pr, tier), pr)
+    return protected, pr
+

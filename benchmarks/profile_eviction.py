@@ -1,0 +1,11 @@
+"""Profile one eviction step: which part (scoring, guard, selection, compaction) costs what.
+
+    .venv/bin/python benchmarks/profile_eviction.py --policies vase,snapkv,rkv --profile-budget 1024
+"""
+
+import sys
+
+from vase.cli import app
+
+if __name__ == "__main__":
+    app(["bench", "--profile", *sys.argv[1:]])

@@ -1,0 +1,255 @@
+"""``vase bench``: decode speed, KV bytes, process memory and eviction cost, full cache vs policies, side by side.
+
+Each configuration (policy, budget) runs in a fresh subprocess, so its peak RSS is its own: greedy decoding of N new
+tokens from a short prompt, end-of-sequence ignored, with marks at the requested lengths. At each mark it records
+the decode speed over the last bucket of tokens and over the last 512 tokens ("at that context"), the KV bytes the
+cache holds, the process's current and peak RSS, and the seconds spent in eviction (scoring + selection +
+compaction). The full cache is transformers' own ``DynamicCache``: the baseline a user would otherwise run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a mysterious map."
+MIB = 2.0**20
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process in bytes (Linux /proc; falls back to getrusage)."""
+    cur = peak = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not peak:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return cur or peak, peak
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of key/value tensors a cache holds now (any transformers cache)."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def decode_run(model, input_ids: torch.Tensor, policy: str, budget: int, buffer: int, tokens: int,
+               marks: list[int], window: int = 512) -> dict:
+    """Greedy decode ``tokens`` new tokens (EOS ignored) and measure at each mark. ``policy='full'`` uses
+    ``transformers.DynamicCache``. Returns a dict with ``marks`` rows and totals; times in seconds."""
+    from transformers import DynamicCache
+
+    from .cache import EvictingCache
+
+    device = input_ids.device
+    if policy == "full":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = EvictingCache(model, policy=policy, budget=budget, buffer=buffer)
+    t0 = time.perf_counter()
+    logits = model(input_ids=input_ids, cache=cache).logits[:, -1:]
+    _sync(device)
+    prefill = time.perf_counter() - t0
+    stamps = []
+    nxt = logits.argmax(-1)
+    rows, last_mark, mark_set = [], 0, set(marks)
+    start = time.perf_counter()
+    for i in range(1, tokens + 1):
+        logits = model(input_ids=nxt, cache=cache).logits
+        nxt = logits[:, -1:].argmax(-1)
+        if i in mark_set:
+            _sync(device)
+        stamps.append(time.perf_counter())
+        if i in mark_set:
+            now = stamps[-1]
+            prev = stamps[last_mark - 1] if last_mark else start
+            w = min(window, i - 1)
+            cur, peak = rss_bytes()
+            ev = getattr(cache, "_eviction_seconds", 0.0)
+            rows.append({
+                "tokens": i, "context": input_ids.shape[1] + i,
+                "tok_s_bucket": (i - last_mark) / (now - prev),
+                "tok_s_last": w / (now - stamps[i - 1 - w]) if w else 0.0,
+                "kv_bytes": kv_bytes(cache), "rss": cur, "peak_rss": peak, "eviction_s": ev,
+                "decode_s": now - start, "evictions": cache.stats().evictions if hasattr(cache, "stats") else 0,
+            })
+            last_mark = i
+    return {"policy": policy, "budget": budget if policy != "full" else None, "buffer": buffer,
+            "prompt_tokens": input_ids.shape[1], "prefill_s": prefill, "marks": rows}
+
+
+def worker(args: dict) -> dict:
+    """One configuration in this process (called in a subprocess by :func:`run_bench`)."""
+    from .generation import encode_prompts
+    from .models import load_model
+
+    if args.get("threads"):
+        torch.set_num_threads(args["threads"])
+    lm = load_model(args.get("model"), device=args.get("device", "auto"))
+    ids = encode_prompts(lm.tokenizer, [args.get("prompt", DEFAULT_PROMPT)])["input_ids"].to(lm.device)
+    # a short warm-up so one-time costs (allocator, kernels) are not billed to the first bucket
+    decode_run(lm.model, ids, args["policy"], args["budget"], args["buffer"], 8, [8])
+    res = decode_run(lm.model, ids, args["policy"], args["budget"], args["buffer"], max(args["marks"]), args["marks"])
+    res["model"] = lm.name
+    res["device"] = str(lm.device)
+    res["threads"] = torch.get_num_threads()
+    return res
+
+
+def run_bench(out: Path, policies: list[str], budgets: list[int], marks: list[int], buffer: int = 64,
+              model: str | None = None, device: str = "auto", prompt: str = DEFAULT_PROMPT, echo=print) -> dict:
+    """Run every configuration in its own subprocess, write ``bench.json`` and ``BENCH.md`` into ``out``.
+
+    Results of configurations already in ``out/bench.json`` (same marks and buffer) are reused, so an interrupted
+    benchmark resumes.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    if previous.get("marks") != marks or previous.get("buffer") != buffer:
+        previous = {}
+    results = previous.get("runs", [])
+    done = {(r["policy"], r["budget"]) for r in results}
+    configs = [("full", None)] + [(p, b) for b in budgets for p in policies if p != "full"]
+    for i, (policy, budget) in enumerate(configs):
+        if (policy, budget) in done:
+            continue
+        echo(f"[vase bench] {i + 1}/{len(configs)}: {policy}" + (f" budget {budget}" if budget else ""))
+        args = {"policy": policy, "budget": budget or 0, "buffer": buffer, "marks": marks, "model": model,
+                "device": device, "prompt": prompt, "threads": torch.get_num_threads()}
+        proc = subprocess.run([sys.executable, "-m", "vase.bench", json.dumps(args)], capture_output=True, text=True,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"benchmark worker failed for {policy} {budget}: {proc.stderr.strip()[-2000:]}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        path.write_text(json.dumps({"marks": marks, "buffer": buffer, "runs": results}, indent=1))
+    data = {"marks": marks, "buffer": buffer, "runs": results}
+    (out / "BENCH.md").write_text(bench_markdown(data))
+    return data
+
+
+def _goal(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def bench_markdown(data: dict) -> str:
+    """Tables (speed, memory, eviction share, ratios) and the goals, as markdown."""
+    runs = data["runs"]
+    marks = data["marks"]
+    full = next((r for r in runs if r["policy"] == "full"), None)
+    by = {(r["policy"], r["budget"]): r for r in runs}
+    first = runs[0]
+    lines = [
+        f"Model {first['model']} on {first['device']} ({first['threads']} threads), prompt {first['prompt_tokens']} "
+        f"tokens, buffer {data['buffer']}; greedy, end-of-sequence ignored. Speed columns: decode tokens/s over the "
+        f"bucket ending at that length; 'at N' = over the last 512 tokens before N.",
+        "",
+        "| policy | budget | " + " | ".join(f"tok/s ≤{m}" for m in marks) + f" | tok/s at {marks[-1]} | "
+        f"KV MiB at {marks[0]} | KV MiB at {marks[-1]} | peak RSS MiB at {marks[0]} | at {marks[-1]} | RSS growth | "
+        "eviction share | × full at " + str(marks[-1]) + " | × streaming_llm |",
+        "|---" * (len(marks) + 10) + "|",
+    ]
+    summary = {}
+    for r in runs:
+        m = r["marks"]
+        last = m[-1]
+        growth = last["peak_rss"] / m[0]["peak_rss"] - 1
+        share = last["eviction_s"] / last["decode_s"] if last["decode_s"] else 0.0
+        vs_full = last["tok_s_last"] / full["marks"][-1]["tok_s_last"] if full else float("nan")
+        st = by.get(("streaming_llm", r["budget"]))
+        vs_st = last["tok_s_bucket"] / st["marks"][-1]["tok_s_bucket"] if st and r["policy"] != "full" else float("nan")
+        summary[(r["policy"], r["budget"])] = dict(growth=growth, share=share, vs_full=vs_full, vs_st=vs_st,
+                                                    kv_flat=m[0]["kv_bytes"] == last["kv_bytes"])
+        lines.append(
+            f"| {r['policy']} | {r['budget'] or '—'} | " + " | ".join(f"{x['tok_s_bucket']:.1f}" for x in m)
+            + f" | {last['tok_s_last']:.1f} | {m[0]['kv_bytes'] / MIB:.1f} | {last['kv_bytes'] / MIB:.1f} | "
+            f"{m[0]['peak_rss'] / MIB:.0f} | {last['peak_rss'] / MIB:.0f} | {100 * growth:+.1f}% | {100 * share:.1f}% | "
+            f"{vs_full:.2f} | {vs_st:.3f} |"
+        )
+    lines += ["", "Goals:", ""]
+    evicting = [k for k in summary if k[0] != "full"]
+    vase = [k for k in summary if k[0] == "vase"]
+    if evicting:
+        flat = all(summary[k]["kv_flat"] for k in evicting)
+        lines.append(f"- KV bytes held constant from {marks[0]} to {marks[-1]} tokens for every evicting policy: "
+                     f"{_goal(flat)}")
+    for k in vase:
+        s = summary[k]
+        fg = summary.get(("full", None), {}).get("growth", float("nan"))
+        lines += [
+            f"- vase budget {k[1]}: peak RSS growth {marks[0]}→{marks[-1]} {100 * s['growth']:+.1f}% (goal < 5%; full "
+            f"cache {100 * fg:+.1f}%): {_goal(s['growth'] < 0.05)}",
+            f"- vase budget {k[1]}: decode at {marks[-1]} tokens {s['vs_full']:.2f}x the full cache (goal >= 1.3x): "
+            f"{_goal(s['vs_full'] >= 1.3)}",
+            f"- vase budget {k[1]}: eviction {100 * s['share']:.1f}% of decode time (goal <= 5%): {_goal(s['share'] <= 0.05)}",
+            f"- vase budget {k[1]}: throughput {s['vs_st']:.3f}x streaming_llm's (goal >= 0.95): "
+            f"{_goal(s['vs_st'] >= 0.95)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@torch.inference_mode()
+def profile_eviction(lm, policy: str = "vase", budget: int = 1024, buffer: int = 64, evictions: int = 4,
+                     prompt: str = DEFAULT_PROMPT) -> str:
+    """Profile the eviction steps of a decode run: time per component (milliseconds per eviction, all layers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .cache import EvictingCache
+    from .generation import encode_prompts
+
+    ids = encode_prompts(lm.tokenizer, [prompt])["input_ids"]
+    reps = (budget + buffer) // ids.shape[1] + 1
+    ids = ids.repeat(1, reps).to(lm.device)  # longer than budget + buffer: compressed at prefill, steady state at once
+    cache = EvictingCache(lm.model, policy=policy, budget=budget, buffer=buffer)
+    model = lm.model
+    nxt = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+    steps = evictions * buffer
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+        _sync(lm.device)
+    wall = time.perf_counter() - start
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.key.startswith("vase."):
+            totals[evt.key] = evt.cpu_time_total / 1e3  # ms (inclusive)
+    n_ev = evictions
+    lines = [f"{policy}, budget {budget}, buffer {buffer}: {steps} decode steps with {n_ev} evictions, "
+             f"{wall:.2f} s under the profiler",
+             f"{'component':<20}{'ms/evict':>10}{'share of decode':>17}"]
+    parts = ["vase.score", "vase.guard", "vase.select", "vase.compact"]
+    rows = [(k, totals.get(k, 0.0)) for k in parts]
+    rows.append(("other (masks, ctx)", totals.get("vase.evict", 0.0) - sum(v for _, v in rows)))
+    rows.append(("eviction total", totals.get("vase.evict", 0.0)))
+    for key, ms in rows:
+        lines.append(f"{key:<20}{ms / n_ev:>10.1f}{100 * ms / 1e3 / wall:>16.2f}%")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # worker mode: one configuration, JSON on the last stdout line
+    result = worker(json.loads(sys.argv[1]))
+    print(json.dumps(result))

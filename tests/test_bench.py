@@ -1,0 +1,78 @@
+"""Benchmarks: the measuring loop, the report of goals, and the GPU script at toy size on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vase.bench import bench_markdown, decode_run, kv_bytes, rss_bytes
+
+from .conftest import random_ids, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_run_measures_static_memory():
+    model = tiny_model("llama")
+    ids = random_ids(10)
+    full = decode_run(model, ids, "full", 0, 8, 96, [32, 96])
+    vase_run = decode_run(model, ids, "vase", 24, 8, 96, [32, 96])
+    assert [m["tokens"] for m in vase_run["marks"]] == [32, 96]
+    assert full["marks"][1]["kv_bytes"] == 2 * 2 * 2 * (10 + 96) * 16 * 4  # grows with the context
+    assert vase_run["marks"][0]["kv_bytes"] == vase_run["marks"][1]["kv_bytes"] == 2 * 2 * 2 * 32 * 16 * 4
+    assert vase_run["marks"][1]["evictions"] > 5 and vase_run["marks"][1]["eviction_s"] > 0
+    assert all(m["tok_s_bucket"] > 0 for m in vase_run["marks"])
+    cur, peak = rss_bytes()
+    assert 0 < cur <= peak
+
+
+def _run(policy, budget, tok, kv, rss, ev=0.0):
+    marks = [{"tokens": t, "tok_s_bucket": s, "tok_s_last": s, "kv_bytes": k, "peak_rss": r, "eviction_s": ev,
+              "decode_s": 100.0} for t, s, k, r in zip((1024, 8192), tok, kv, rss)]
+    return {"policy": policy, "budget": budget, "model": "m", "device": "cpu", "threads": 2, "prompt_tokens": 30,
+            "marks": marks}
+
+
+def test_bench_markdown_goals():
+    data = {"marks": [1024, 8192], "buffer": 64, "runs": [
+        _run("full", None, (16.0, 10.0), (2**20, 8 * 2**20), (1000 * 2**20, 1400 * 2**20)),
+        _run("streaming_llm", 512, (17.0, 17.0), (2**20, 2**20), (1000 * 2**20, 1010 * 2**20)),
+        _run("vase", 512, (16.5, 16.5), (2**20, 2**20), (1000 * 2**20, 1020 * 2**20), ev=2.0),
+    ]}
+    text = bench_markdown(data)
+    assert "| vase | 512 | 16.5 | 16.5 | 16.5 | 1.0 | 1.0 | 1000 | 1020 | +2.0% | 2.0% | 1.65 | 0.971 |" in text
+    assert "KV bytes held constant from 1024 to 8192 tokens for every evicting policy: met" in text
+    assert "peak RSS growth 1024→8192 +2.0% (goal < 5%; full cache +40.0%): met" in text
+    assert "decode at 8192 tokens 1.65x the full cache (goal >= 1.3x): met" in text
+    assert "throughput 0.971x streaming_llm's (goal >= 0.95): met" in text
+
+
+def test_gpu_script_at_toy_size_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_qwen3_4b.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "g.json")])
+    saved = json.loads((tmp_path / "g.json").read_text())
+    assert saved["shape"] == "tiny" and [r["mode"] for r in saved["runs"]] == ["vase", "full"]
+    assert all(r["complete"] and r["tok_s"] > 0 for r in saved["runs"]) and res["speedup"] > 0
+    assert "evictions" in saved["runs"][0]["stats"]
+
+
+def test_cli_bench_end_to_end(embedded, tmp_path):
+    """`vase bench` at toy lengths: one subprocess per configuration, a table and the goals."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vase.cli", "bench", "--out", str(tmp_path), "--lengths", "24,48", "--budgets", "24",
+         "--buffer", "8", "--policies", "streaming_llm,vase"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["policy"], r["budget"]) for r in data["runs"]] == [("full", None), ("streaming_llm", 24), ("vase", 24)]
+    assert "| vase | 24 |" in proc.stdout and "Goals:" in proc.stdout
+    vase_run = data["runs"][2]["marks"]
+    assert vase_run[0]["kv_bytes"] == vase_run[1]["kv_bytes"] == 30 * 2 * 3 * 32 * 64 * 4
