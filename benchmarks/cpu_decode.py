@@ -1,7 +1,7 @@
 """CPU decode benchmark on the embedded model: full cache vs policies, side by side (same as `vase bench`).
 
-    .venv/bin/python benchmarks/cpu_decode.py                       # 1K-8K tokens, budgets 256/512/1024
-    .venv/bin/python benchmarks/cpu_decode.py --lengths 512,1024    # quicker
+.venv/bin/python benchmarks/cpu_decode.py                       # 1K-8K tokens, budgets 256/512/1024
+.venv/bin/python benchmarks/cpu_decode.py --lengths 512,1024    # quicker
 """
 
 import sys

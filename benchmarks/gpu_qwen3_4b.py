@@ -26,13 +26,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 QWEN3_4B = dict(
-    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
 )
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
 )
 
 
@@ -51,8 +66,17 @@ def sync(device: str) -> None:
 
 
 @torch.inference_mode()
-def run_mode(model, prompt: torch.Tensor, mode: str, tokens: int, budget: int, buffer: int, device: str,
-             deadline: float, marks: list[int]) -> dict:
+def run_mode(
+    model,
+    prompt: torch.Tensor,
+    mode: str,
+    tokens: int,
+    budget: int,
+    buffer: int,
+    device: str,
+    deadline: float,
+    marks: list[int],
+) -> dict:
     """Greedy decode ``tokens`` steps for the whole batch; stop early at ``deadline`` (time.perf_counter)."""
     from transformers import DynamicCache
 
@@ -61,8 +85,10 @@ def run_mode(model, prompt: torch.Tensor, mode: str, tokens: int, budget: int, b
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cache = DynamicCache(config=model.config) if mode == "full" else vase.EvictingCache(
-        model, policy="vase", budget=budget, buffer=buffer
+    cache = (
+        DynamicCache(config=model.config)
+        if mode == "full"
+        else vase.EvictingCache(model, policy="vase", budget=budget, buffer=buffer)
     )
     t0 = time.perf_counter()
     nxt = model(input_ids=prompt, cache=cache).logits[:, -1:].argmax(-1)
@@ -76,20 +102,28 @@ def run_mode(model, prompt: torch.Tensor, mode: str, tokens: int, budget: int, b
         if i in marks or i == tokens or (i % 256 == 0 and time.perf_counter() > deadline):
             sync(device)
             now = time.perf_counter()
-            rows.append({
-                "tokens": i, "tok_s": prompt.shape[0] * (i - last_i) / (now - last_t),
-                "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None,
-            })
+            rows.append(
+                {
+                    "tokens": i,
+                    "tok_s": prompt.shape[0] * (i - last_i) / (now - last_t),
+                    "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None,
+                }
+            )
             last_t, last_i = now, i
             if now > deadline:
                 break
     sync(device)
     seconds = time.perf_counter() - start
     return {
-        "mode": mode, "tokens_done": done, "complete": done == tokens, "decode_s": seconds, "prefill_s": prefill,
+        "mode": mode,
+        "tokens_done": done,
+        "complete": done == tokens,
+        "decode_s": seconds,
+        "prefill_s": prefill,
         "tok_s": prompt.shape[0] * done / seconds,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None,
-        "marks": rows, "stats": cache.stats().line() if mode != "full" else None,
+        "marks": rows,
+        "stats": cache.stats().line() if mode != "full" else None,
     }
 
 
@@ -113,15 +147,26 @@ def main(argv: list[str] | None = None) -> dict:
         shape = QWEN3_4B
     attn = args.attn
     if attn == "auto":
-        attn = "flash_attention_2" if args.device.startswith("cuda") and importlib.util.find_spec("flash_attn") else "sdpa"
+        attn = (
+            "flash_attention_2" if args.device.startswith("cuda") and importlib.util.find_spec("flash_attn") else "sdpa"
+        )
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     torch.manual_seed(0)
     model = build_model(shape, args.device, dtype, attn)
     prompt = torch.randint(0, shape["vocab_size"], (args.batch, args.prompt_tokens), device=args.device)
     marks = [m for m in (1024, 2048, 4096, 8192, 16384) if m < args.tokens] + [args.tokens]
-    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "torch": torch.__version__, "attn": attn, "dtype": str(dtype), "shape": "tiny" if args.tiny else "Qwen3-4B",
-               "batch": args.batch, "tokens": args.tokens, "budget": args.budget, "buffer": args.buffer, "runs": []}
+    results = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "attn": attn,
+        "dtype": str(dtype),
+        "shape": "tiny" if args.tiny else "Qwen3-4B",
+        "batch": args.batch,
+        "tokens": args.tokens,
+        "budget": args.budget,
+        "buffer": args.buffer,
+        "runs": [],
+    }
     setup = time.perf_counter() - begin
     remaining = args.time_limit - setup
     for j, mode in enumerate(("vase", "full")):
@@ -135,11 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
     results["speedup"] = v["tok_s"] / f["tok_s"]
     if v["peak_gb"] and f["peak_gb"]:
         results["memory_ratio"] = f["peak_gb"] / v["peak_gb"]
-    out = args.out or (Path(os.environ["OUT"]) / "gpu_bench.json" if os.environ.get("OUT") else Path("runs/gpu_bench.json"))
+    out = args.out or (
+        Path(os.environ["OUT"]) / "gpu_bench.json" if os.environ.get("OUT") else Path("runs/gpu_bench.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}: vase {v['tok_s']:.1f} tok/s vs full {f['tok_s']:.1f} tok/s "
-          f"({results['speedup']:.2f}x); peak GB vase {v['peak_gb']} full {f['peak_gb']}")
+    print(
+        f"wrote {out}: vase {v['tok_s']:.1f} tok/s vs full {f['tok_s']:.1f} tok/s "
+        f"({results['speedup']:.2f}x); peak GB vase {v['peak_gb']} full {f['peak_gb']}"
+    )
     return results
 
 

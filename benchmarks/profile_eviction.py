@@ -1,6 +1,6 @@
 """Profile one eviction step: which part (scoring, guard, selection, compaction) costs what.
 
-    .venv/bin/python benchmarks/profile_eviction.py --policies vase,snapkv,rkv --profile-budget 1024
+.venv/bin/python benchmarks/profile_eviction.py --policies vase,snapkv,rkv --profile-budget 1024
 """
 
 import sys

@@ -12,9 +12,17 @@ VOCAB = 128
 def tiny_model(family: str = "llama", attn: str = "sdpa", kv_heads: int = 2, layers: int = 2, seed: int = 0):
     """A random-weight causal LM small enough for CPU tests (4 query heads, head_dim 16)."""
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation=attn,
     )
     torch.manual_seed(seed)
     if family == "llama":
@@ -33,10 +41,12 @@ class TinyTokenizer:
         texts = [texts] if isinstance(texts, str) else texts
         ids = [[3 + (ord(c) % 100) for c in t][-60:] for t in texts]
         n = max(map(len, ids))
-        return BatchEncoding({
-            "input_ids": torch.tensor([[0] * (n - len(x)) + x for x in ids]),
-            "attention_mask": torch.tensor([[0] * (n - len(x)) + [1] * len(x) for x in ids]),
-        })
+        return BatchEncoding(
+            {
+                "input_ids": torch.tensor([[0] * (n - len(x)) + x for x in ids]),
+                "attention_mask": torch.tensor([[0] * (n - len(x)) + [1] * len(x) for x in ids]),
+            }
+        )
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(i % 10) for i in ids)
@@ -45,8 +55,13 @@ class TinyTokenizer:
 def tiny_lm(family="llama"):
     from vase.models import LoadedModel
 
-    return LoadedModel(model=tiny_model(family), tokenizer=TinyTokenizer(), name="tiny", device=torch.device("cpu"),
-                       dtype=torch.float32)
+    return LoadedModel(
+        model=tiny_model(family),
+        tokenizer=TinyTokenizer(),
+        name="tiny",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
 
 
 @pytest.fixture(params=["llama", "qwen3"])

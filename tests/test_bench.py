@@ -8,9 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from vase.bench import bench_markdown, decode_run, kv_bytes, rss_bytes
+from vase.bench import bench_markdown, decode_run, rss_bytes
 
 from .conftest import random_ids, tiny_model
 
@@ -32,18 +30,39 @@ def test_decode_run_measures_static_memory():
 
 
 def _run(policy, budget, tok, kv, rss, ev=0.0):
-    marks = [{"tokens": t, "tok_s_bucket": s, "tok_s_last": s, "kv_bytes": k, "peak_rss": r, "eviction_s": ev,
-              "decode_s": 100.0} for t, s, k, r in zip((1024, 8192), tok, kv, rss)]
-    return {"policy": policy, "budget": budget, "model": "m", "device": "cpu", "threads": 2, "prompt_tokens": 30,
-            "marks": marks}
+    marks = [
+        {
+            "tokens": t,
+            "tok_s_bucket": s,
+            "tok_s_last": s,
+            "kv_bytes": k,
+            "peak_rss": r,
+            "eviction_s": ev,
+            "decode_s": 100.0,
+        }
+        for t, s, k, r in zip((1024, 8192), tok, kv, rss)
+    ]
+    return {
+        "policy": policy,
+        "budget": budget,
+        "model": "m",
+        "device": "cpu",
+        "threads": 2,
+        "prompt_tokens": 30,
+        "marks": marks,
+    }
 
 
 def test_bench_markdown_goals():
-    data = {"marks": [1024, 8192], "buffer": 64, "runs": [
-        _run("full", None, (16.0, 10.0), (2**20, 8 * 2**20), (1000 * 2**20, 1400 * 2**20)),
-        _run("streaming_llm", 512, (17.0, 17.0), (2**20, 2**20), (1000 * 2**20, 1010 * 2**20)),
-        _run("vase", 512, (16.5, 16.5), (2**20, 2**20), (1000 * 2**20, 1020 * 2**20), ev=2.0),
-    ]}
+    data = {
+        "marks": [1024, 8192],
+        "buffer": 64,
+        "runs": [
+            _run("full", None, (16.0, 10.0), (2**20, 8 * 2**20), (1000 * 2**20, 1400 * 2**20)),
+            _run("streaming_llm", 512, (17.0, 17.0), (2**20, 2**20), (1000 * 2**20, 1010 * 2**20)),
+            _run("vase", 512, (16.5, 16.5), (2**20, 2**20), (1000 * 2**20, 1020 * 2**20), ev=2.0),
+        ],
+    }
     text = bench_markdown(data)
     assert "| vase | 512 | 16.5 | 16.5 | 16.5 | 1.0 | 1.0 | 1000 | 1020 | +2.0% | 2.0% | 1.65 | 0.971 |" in text
     assert "KV bytes held constant from 1024 to 8192 tokens for every evicting policy: met" in text
@@ -66,9 +85,25 @@ def test_gpu_script_at_toy_size_on_cpu(tmp_path):
 def test_cli_bench_end_to_end(embedded, tmp_path):
     """`vase bench` at toy lengths: one subprocess per configuration, a table and the goals."""
     proc = subprocess.run(
-        [sys.executable, "-m", "vase.cli", "bench", "--out", str(tmp_path), "--lengths", "24,48", "--budgets", "24",
-         "--buffer", "8", "--policies", "streaming_llm,vase"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "vase.cli",
+            "bench",
+            "--out",
+            str(tmp_path),
+            "--lengths",
+            "24,48",
+            "--budgets",
+            "24",
+            "--buffer",
+            "8",
+            "--policies",
+            "streaming_llm,vase",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())

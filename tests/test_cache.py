@@ -12,7 +12,6 @@ from vase.cache import check_model_supported
 from .conftest import random_ids, tiny_model
 
 
-
 def greedy(model, ids, n, cache=None, mask=None, keyword="cache"):
     kwargs = {} if cache is None else {keyword: cache}
     if mask is not None:
@@ -78,7 +77,7 @@ def test_static_buffers_over_long_generation(policy):
         shape = tuple(cache.layers[0].keys.shape)
         assert shape == (1, 2, budget + buffer, 16)
         seen = ids.shape[1]
-        for step in range(1100):
+        for _ in range(1100):
             nxt = logits[:, -1:].argmax(-1)
             logits = model(input_ids=nxt, cache=cache).logits
             seen += 1
@@ -218,10 +217,19 @@ def test_sampling_follows_scores():
     valid = torch.ones(n, 5, dtype=torch.bool)
     forced, cand = structural_masks(valid, sinks=1, buffer=1)  # slots 0 and 4 forced
     ctx = EvictionContext(
-        keys=torch.zeros(n, 1, 5, 2), values=torch.zeros(n, 1, 5, 2),
-        positions=torch.arange(5).view(1, 1, 5).expand(n, 1, 5), valid=valid, candidates=cand,
-        queries=None, query_positions=None, query_valid=None, scaling=1.0, layer_idx=0, budget=3,
-        row_keys=torch.arange(n), eviction_index=torch.zeros(n, dtype=torch.long),
+        keys=torch.zeros(n, 1, 5, 2),
+        values=torch.zeros(n, 1, 5, 2),
+        positions=torch.arange(5).view(1, 1, 5).expand(n, 1, 5),
+        valid=valid,
+        candidates=cand,
+        queries=None,
+        query_positions=None,
+        query_valid=None,
+        scaling=1.0,
+        layer_idx=0,
+        budget=3,
+        row_keys=torch.arange(n),
+        eviction_index=torch.zeros(n, dtype=torch.long),
     )
     for temperature, probs in [(1.0, [0.1, 0.2, 0.7]), (0.5, [1 / 54, 4 / 54, 49 / 54])]:
         sel = select(Fixed(), Sample(temperature), None, ctx, torch.full((n,), 3), 3, forced)
@@ -281,7 +289,9 @@ def test_mha_and_gqa():
     for kv in (4, 1):
         model = tiny_model("llama", kv_heads=kv)
         ids = random_ids(20)
-        assert torch.equal(greedy(model, ids, 20, vase.EvictingCache(model, budget=64, buffer=8)), greedy(model, ids, 20))
+        assert torch.equal(
+            greedy(model, ids, 20, vase.EvictingCache(model, budget=64, buffer=8)), greedy(model, ids, 20)
+        )
         cache = vase.EvictingCache(model, budget=16, buffer=4)
         greedy(model, ids, 30, cache)
         assert cache.layers[0].keys.shape == (1, kv, 20, 16)
@@ -338,8 +348,15 @@ def test_cache_reused_for_other_batch_or_model():
 
 def test_unsupported_layer_type():
     cfg = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, use_sliding_window=True, sliding_window=16, max_window_layers=1,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
     )
     with pytest.raises(ValueError, match="sliding_attention"):
         check_model_supported(cfg)

@@ -26,8 +26,16 @@ def task_file(tmp_path):
 
 
 def config_for(task_file, **kw):
-    base = dict(model="tiny", tasks=[str(task_file)], policies=["vase", "streaming_llm"], budgets=[24], seeds=[0, 1],
-                max_new_tokens=30, temperature=0.0, buffer=8)
+    base = dict(
+        model="tiny",
+        tasks=[str(task_file)],
+        policies=["vase", "streaming_llm"],
+        budgets=[24],
+        seeds=[0, 1],
+        max_new_tokens=30,
+        temperature=0.0,
+        buffer=8,
+    )
     base.update(kw)
     return EvalConfig(**base)
 
@@ -39,8 +47,22 @@ def test_sweep_records_and_resume_after_interrupt(tmp_path, task_file, monkeypat
     ref = read_records(run_sweep(cfg, ref_dir, batch_size=3, progress=False, lm=lm))
     assert len(ref) == 2 * 1 * 2 * 5
     r0 = ref[0]
-    assert {"task", "problem_id", "policy", "budget", "seed", "text", "answer", "correct", "new_tokens", "evictions",
-            "loop", "seconds", "kv_bytes", "kv_bytes_full"} <= set(r0)
+    assert {
+        "task",
+        "problem_id",
+        "policy",
+        "budget",
+        "seed",
+        "text",
+        "answer",
+        "correct",
+        "new_tokens",
+        "evictions",
+        "loop",
+        "seconds",
+        "kv_bytes",
+        "kv_bytes_full",
+    } <= set(r0)
     assert r0["gold"] == "0" and r0["evictions"] > 0 and r0["new_tokens"] == 30
 
     # interrupt during the 3rd batch (Ctrl-C), then a kill -9 in the middle of writing a record
@@ -73,8 +95,12 @@ def test_refuses_another_configuration(tmp_path, task_file):
     lm = tiny_lm()
     run_sweep(config_for(task_file, seeds=[0], policies=["streaming_llm"]), tmp_path / "r", progress=False, lm=lm)
     with pytest.raises(ValueError, match=r"another configuration \(max_new_tokens: 30 there, 40 now\).*--out"):
-        run_sweep(config_for(task_file, seeds=[0], policies=["streaming_llm"], max_new_tokens=40), tmp_path / "r",
-                  progress=False, lm=lm)
+        run_sweep(
+            config_for(task_file, seeds=[0], policies=["streaming_llm"], max_new_tokens=40),
+            tmp_path / "r",
+            progress=False,
+            lm=lm,
+        )
 
 
 def test_shards_and_merge(tmp_path, task_file):
@@ -109,8 +135,21 @@ def test_pass_at_1_and_standard_error():
     recs = []
     for pid, outcomes in {"a": [1, 1], "b": [1, 0], "c": [0, 0]}.items():
         for seed, ok in enumerate(outcomes):
-            recs.append(dict(task="t", problem_id=pid, policy="vase", budget=64, ratio=None, seed=seed, correct=ok,
-                             loop=seed == 0 and pid == "c", new_tokens=100, kv_bytes=10, kv_bytes_full=40))
+            recs.append(
+                dict(
+                    task="t",
+                    problem_id=pid,
+                    policy="vase",
+                    budget=64,
+                    ratio=None,
+                    seed=seed,
+                    correct=ok,
+                    loop=seed == 0 and pid == "c",
+                    new_tokens=100,
+                    kv_bytes=10,
+                    kv_bytes_full=40,
+                )
+            )
     (row,) = summarize(recs)
     assert row["pass1"] == pytest.approx(50.0)
     assert row["se"] == pytest.approx(100 * 0.5 / 3**0.5)  # stdev([1, .5, 0]) / sqrt(3)
@@ -156,16 +195,40 @@ def test_report_on_fixture(tmp_path):
     recs = []
     for policy, acc in (("full", [1, 1, 0]), ("vase", [1, 0, 0])):
         for pid, ok in zip("abc", acc):
-            recs.append(dict(task="gsm8k", problem_id=pid, policy=policy, budget=128, ratio=None, seed=0,
-                             correct=bool(ok), loop=False, new_tokens=50, kv_bytes=2**20, kv_bytes_full=4 * 2**20,
-                             text=""))
+            recs.append(
+                dict(
+                    task="gsm8k",
+                    problem_id=pid,
+                    policy=policy,
+                    budget=128,
+                    ratio=None,
+                    seed=0,
+                    correct=bool(ok),
+                    loop=False,
+                    new_tokens=50,
+                    kv_bytes=2**20,
+                    kv_bytes_full=4 * 2**20,
+                    text="",
+                )
+            )
     (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     fid = []
     for policy, kl in (("full", 0.0), ("vase", 0.01), ("snapkv", 0.02)):
         for ratio in (2.0, 4.0):
-            fid.append(dict(source="s1", policy=policy, budget=100, ratio=ratio, compression=ratio, tokens=64,
-                            kl_mean=kl * ratio, top1=1 - kl, ppl_change=kl,
-                            buckets=[{"start": 0, "end": 64, "kl": kl * ratio, "top1": 1 - kl}]))
+            fid.append(
+                dict(
+                    source="s1",
+                    policy=policy,
+                    budget=100,
+                    ratio=ratio,
+                    compression=ratio,
+                    tokens=64,
+                    kl_mean=kl * ratio,
+                    top1=1 - kl,
+                    ppl_change=kl,
+                    buckets=[{"start": 0, "end": 64, "kl": kl * ratio, "top1": 1 - kl}],
+                )
+            )
     (run / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fid))
     text = write_report(run, tmp_path / "out").read_text()
     assert "| full | budget 128 | 66.7 ± 33.3 | 0.0 | 50 | 1.00 | 4.00 | 3 |" in text

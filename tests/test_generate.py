@@ -27,8 +27,20 @@ STATS = re.compile(
 
 def test_cli_end_to_end_on_embedded_model(embedded, tmp_path):
     """A short real run with several evictions: exit 0, streamed text, a consistent stats line."""
-    args = [sys.executable, "-m", "vase.cli", "generate", "--budget", "48", "--buffer", "16", "-n", "100",
-            "--min-new-tokens", "100"]
+    args = [
+        sys.executable,
+        "-m",
+        "vase.cli",
+        "generate",
+        "--budget",
+        "48",
+        "--buffer",
+        "16",
+        "-n",
+        "100",
+        "--min-new-tokens",
+        "100",
+    ]
     try:
         data = need_data("reasoning/gsm8k.jsonl")
         args += ["--data", str(data), "--index", "3"]
@@ -59,8 +71,16 @@ def test_embedded_no_eviction_matches_full_cache(embedded):
 
 
 def test_embedded_with_eviction_stays_bounded(embedded):
-    res = generate(embedded.model, embedded.tokenizer, "Count from one to fifty in words.", policy="vase",
-                   budget=40, buffer=8, max_new_tokens=60, min_new_tokens=60)
+    res = generate(
+        embedded.model,
+        embedded.tokenizer,
+        "Count from one to fifty in words.",
+        policy="vase",
+        budget=40,
+        buffer=8,
+        max_new_tokens=60,
+        min_new_tokens=60,
+    )
     st = res.stats
     assert res.completions[0].new_tokens == 60
     assert st.evictions >= 5 and st.slots_held <= 48 and st.capacity == 48
@@ -70,8 +90,16 @@ def test_embedded_with_eviction_stays_bounded(embedded):
 def test_python_api_batch_and_ratio():
     model = tiny_model("llama")
 
-    res = generate(model, TinyTokenizer(), ["hello there, a longer prompt", "hi"], policy="snapkv", compression_ratio=2.0,
-                   buffer=4, max_new_tokens=30, min_new_tokens=30)
+    res = generate(
+        model,
+        TinyTokenizer(),
+        ["hello there, a longer prompt", "hi"],
+        policy="snapkv",
+        compression_ratio=2.0,
+        buffer=4,
+        max_new_tokens=30,
+        min_new_tokens=30,
+    )
     assert [c.new_tokens for c in res.completions] == [30, 30]
     assert res.stats.budget == (28 + 30 + 1) // 2
     with pytest.raises(ValueError, match="compression ratio must be > 1"):
@@ -111,7 +139,9 @@ def test_cli_jsonl_without_field(tmp_path):
 def test_cli_index_out_of_range(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(3)))
-    assert "index 7 is out of range: the file has 3 problems (0..2)" in _cli(["generate", "--data", str(f), "--index", "7"])
+    assert "index 7 is out of range: the file has 3 problems (0..2)" in _cli(
+        ["generate", "--data", str(f), "--index", "7"]
+    )
 
 
 def test_cli_empty_prompt():

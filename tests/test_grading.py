@@ -77,8 +77,11 @@ def test_works_outside_the_main_thread():
     results = []
     worker = threading.Thread(
         target=lambda: results.extend(
-            [is_equivalent(r"\frac{\sqrt{2}}{2}", r"\sqrt{2}/2"), is_equivalent("x^2+2x+1", "(x+1)^2"),
-             is_equivalent("x+1", "x-1")]
+            [
+                is_equivalent(r"\frac{\sqrt{2}}{2}", r"\sqrt{2}/2"),
+                is_equivalent("x^2+2x+1", "(x+1)^2"),
+                is_equivalent("x+1", "x-1"),
+            ]
         )
     )
     worker.start()

@@ -44,7 +44,8 @@ NOT_LOOPING = [
     POLYGON_SOLUTION,
     UNIQUE_TEXT,
     # Repeated in the middle, then moved on and ended normally.
-    "Hmm. " + "Let me try again.\n\n" * 6
+    "Hmm. "
+    + "Let me try again.\n\n" * 6
     + "Now with n = 5 we get 180 * 3 = 540 degrees, so the answer is \\boxed{540}.",
     # Short repeated tokens (unit under 10 characters) only.
     "Step 1: add.\n\n\nStep 2: multiply.\n\n\nStep 3: done." + "\n" * 60,
@@ -85,8 +86,7 @@ def test_long_unit_is_caught_only_at_the_token_limit():
 
 def test_hit_limit_while_repeating():
     cut_while_cycling = (
-        "x = 3 gives 27. Let me check x = 4: that gives 64. Let me check x = 3 again: 27. "
-        "Let me check x = 4 again"
+        "x = 3 gives 27. Let me check x = 4: that gives 64. Let me check x = 3 again: 27. Let me check x = 4 again"
     )
     assert hit_limit_while_repeating(cut_while_cycling, finished=False) is True
     assert hit_limit_while_repeating(cut_while_cycling, finished=True) is False

@@ -95,7 +95,7 @@ def _pre_hook(module, args, kwargs):
 def base_implementation(model) -> str:
     """The attention implementation vase wraps on ``model`` (``sdpa``, ``eager``, ...)."""
     impl = model.config._attn_implementation
-    return impl[len(_PREFIX):] if impl and impl.startswith(_PREFIX) else impl
+    return impl[len(_PREFIX) :] if impl and impl.startswith(_PREFIX) else impl
 
 
 def install(model) -> str:

@@ -55,8 +55,16 @@ def _sync(device):
 
 
 @torch.inference_mode()
-def decode_run(model, input_ids: torch.Tensor, policy: str, budget: int, buffer: int, tokens: int,
-               marks: list[int], window: int = 512) -> dict:
+def decode_run(
+    model,
+    input_ids: torch.Tensor,
+    policy: str,
+    budget: int,
+    buffer: int,
+    tokens: int,
+    marks: list[int],
+    window: int = 512,
+) -> dict:
     """Greedy decode ``tokens`` new tokens (EOS ignored) and measure at each mark. ``policy='full'`` uses
     ``transformers.DynamicCache``. Returns a dict with ``marks`` rows and totals; times in seconds."""
     from transformers import DynamicCache
@@ -88,16 +96,29 @@ def decode_run(model, input_ids: torch.Tensor, policy: str, budget: int, buffer:
             w = min(window, i - 1)
             cur, peak = rss_bytes()
             ev = getattr(cache, "_eviction_seconds", 0.0)
-            rows.append({
-                "tokens": i, "context": input_ids.shape[1] + i,
-                "tok_s_bucket": (i - last_mark) / (now - prev),
-                "tok_s_last": w / (now - stamps[i - 1 - w]) if w else 0.0,
-                "kv_bytes": kv_bytes(cache), "rss": cur, "peak_rss": peak, "eviction_s": ev,
-                "decode_s": now - start, "evictions": cache.stats().evictions if hasattr(cache, "stats") else 0,
-            })
+            rows.append(
+                {
+                    "tokens": i,
+                    "context": input_ids.shape[1] + i,
+                    "tok_s_bucket": (i - last_mark) / (now - prev),
+                    "tok_s_last": w / (now - stamps[i - 1 - w]) if w else 0.0,
+                    "kv_bytes": kv_bytes(cache),
+                    "rss": cur,
+                    "peak_rss": peak,
+                    "eviction_s": ev,
+                    "decode_s": now - start,
+                    "evictions": cache.stats().evictions if hasattr(cache, "stats") else 0,
+                }
+            )
             last_mark = i
-    return {"policy": policy, "budget": budget if policy != "full" else None, "buffer": buffer,
-            "prompt_tokens": input_ids.shape[1], "prefill_s": prefill, "marks": rows}
+    return {
+        "policy": policy,
+        "budget": budget if policy != "full" else None,
+        "buffer": buffer,
+        "prompt_tokens": input_ids.shape[1],
+        "prefill_s": prefill,
+        "marks": rows,
+    }
 
 
 def worker(args: dict) -> dict:
@@ -118,8 +139,17 @@ def worker(args: dict) -> dict:
     return res
 
 
-def run_bench(out: Path, policies: list[str], budgets: list[int], marks: list[int], buffer: int = 64,
-              model: str | None = None, device: str = "auto", prompt: str = DEFAULT_PROMPT, echo=print) -> dict:
+def run_bench(
+    out: Path,
+    policies: list[str],
+    budgets: list[int],
+    marks: list[int],
+    buffer: int = 64,
+    model: str | None = None,
+    device: str = "auto",
+    prompt: str = DEFAULT_PROMPT,
+    echo=print,
+) -> dict:
     """Run every configuration in its own subprocess, write ``bench.json`` and ``BENCH.md`` into ``out``.
 
     Results of configurations already in ``out/bench.json`` (same marks and buffer) are reused, so an interrupted
@@ -137,10 +167,22 @@ def run_bench(out: Path, policies: list[str], budgets: list[int], marks: list[in
         if (policy, budget) in done:
             continue
         echo(f"[vase bench] {i + 1}/{len(configs)}: {policy}" + (f" budget {budget}" if budget else ""))
-        args = {"policy": policy, "budget": budget or 0, "buffer": buffer, "marks": marks, "model": model,
-                "device": device, "prompt": prompt, "threads": torch.get_num_threads()}
-        proc = subprocess.run([sys.executable, "-m", "vase.bench", json.dumps(args)], capture_output=True, text=True,
-                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        args = {
+            "policy": policy,
+            "budget": budget or 0,
+            "buffer": buffer,
+            "marks": marks,
+            "model": model,
+            "device": device,
+            "prompt": prompt,
+            "threads": torch.get_num_threads(),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "vase.bench", json.dumps(args)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark worker failed for {policy} {budget}: {proc.stderr.strip()[-2000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -180,21 +222,24 @@ def bench_markdown(data: dict) -> str:
         vs_full = last["tok_s_last"] / full["marks"][-1]["tok_s_last"] if full else float("nan")
         st = by.get(("streaming_llm", r["budget"]))
         vs_st = last["tok_s_bucket"] / st["marks"][-1]["tok_s_bucket"] if st and r["policy"] != "full" else float("nan")
-        summary[(r["policy"], r["budget"])] = dict(growth=growth, share=share, vs_full=vs_full, vs_st=vs_st,
-                                                    kv_flat=m[0]["kv_bytes"] == last["kv_bytes"])
+        summary[(r["policy"], r["budget"])] = dict(
+            growth=growth, share=share, vs_full=vs_full, vs_st=vs_st, kv_flat=m[0]["kv_bytes"] == last["kv_bytes"]
+        )
         lines.append(
-            f"| {r['policy']} | {r['budget'] or '—'} | " + " | ".join(f"{x['tok_s_bucket']:.1f}" for x in m)
+            f"| {r['policy']} | {r['budget'] or '—'} | "
+            + " | ".join(f"{x['tok_s_bucket']:.1f}" for x in m)
             + f" | {last['tok_s_last']:.1f} | {m[0]['kv_bytes'] / MIB:.1f} | {last['kv_bytes'] / MIB:.1f} | "
-            f"{m[0]['peak_rss'] / MIB:.0f} | {last['peak_rss'] / MIB:.0f} | {100 * growth:+.1f}% | {100 * share:.1f}% | "
-            f"{vs_full:.2f} | {vs_st:.3f} |"
+            f"{m[0]['peak_rss'] / MIB:.0f} | {last['peak_rss'] / MIB:.0f} | {100 * growth:+.1f}% | "
+            f"{100 * share:.1f}% | {vs_full:.2f} | {vs_st:.3f} |"
         )
     lines += ["", "Goals:", ""]
     evicting = [k for k in summary if k[0] != "full"]
     vase = [k for k in summary if k[0] == "vase"]
     if evicting:
         flat = all(summary[k]["kv_flat"] for k in evicting)
-        lines.append(f"- KV bytes held constant from {marks[0]} to {marks[-1]} tokens for every evicting policy: "
-                     f"{_goal(flat)}")
+        lines.append(
+            f"- KV bytes held constant from {marks[0]} to {marks[-1]} tokens for every evicting policy: {_goal(flat)}"
+        )
     for k in vase:
         s = summary[k]
         fg = summary.get(("full", None), {}).get("growth", float("nan"))
@@ -203,7 +248,8 @@ def bench_markdown(data: dict) -> str:
             f"cache {100 * fg:+.1f}%): {_goal(s['growth'] < 0.05)}",
             f"- vase budget {k[1]}: decode at {marks[-1]} tokens {s['vs_full']:.2f}x the full cache (goal >= 1.3x): "
             f"{_goal(s['vs_full'] >= 1.3)}",
-            f"- vase budget {k[1]}: eviction {100 * s['share']:.1f}% of decode time (goal <= 5%): {_goal(s['share'] <= 0.05)}",
+            f"- vase budget {k[1]}: eviction {100 * s['share']:.1f}% of decode time (goal <= 5%): "
+            f"{_goal(s['share'] <= 0.05)}",
             f"- vase budget {k[1]}: throughput {s['vs_st']:.3f}x streaming_llm's (goal >= 0.95): "
             f"{_goal(s['vs_st'] >= 0.95)}",
         ]
@@ -211,8 +257,9 @@ def bench_markdown(data: dict) -> str:
 
 
 @torch.inference_mode()
-def profile_eviction(lm, policy: str = "vase", budget: int = 1024, buffer: int = 64, evictions: int = 4,
-                     prompt: str = DEFAULT_PROMPT) -> str:
+def profile_eviction(
+    lm, policy: str = "vase", budget: int = 1024, buffer: int = 64, evictions: int = 4, prompt: str = DEFAULT_PROMPT
+) -> str:
     """Profile the eviction steps of a decode run: time per component (milliseconds per eviction, all layers)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -238,9 +285,11 @@ def profile_eviction(lm, policy: str = "vase", budget: int = 1024, buffer: int =
         if evt.key.startswith("vase."):
             totals[evt.key] = evt.cpu_time_total / 1e3  # ms (inclusive)
     n_ev = evictions
-    lines = [f"{policy}, budget {budget}, buffer {buffer}: {steps} decode steps with {n_ev} evictions, "
-             f"{wall:.2f} s under the profiler",
-             f"{'component':<20}{'ms/evict':>10}{'share of decode':>17}"]
+    lines = [
+        f"{policy}, budget {budget}, buffer {buffer}: {steps} decode steps with {n_ev} evictions, "
+        f"{wall:.2f} s under the profiler",
+        f"{'component':<20}{'ms/evict':>10}{'share of decode':>17}",
+    ]
     parts = ["vase.score", "vase.guard", "vase.select", "vase.compact"]
     rows = [(k, totals.get(k, 0.0)) for k in parts]
     rows.append(("other (masks, ctx)", totals.get("vase.evict", 0.0) - sum(v for _, v in rows)))

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch.profiler import record_function
@@ -184,8 +184,10 @@ class _Step:
                 causal = (j < p) | (j - p <= i)
                 m = valid[:, None, None, :] & causal
                 m = m | (j - p == i)  # a padding query attends to itself only, so no row is empty (no NaN)
-            out = m if kind == "bool" else torch.zeros(m.shape, dtype=dtype, device=self.device).masked_fill_(
-                ~m, torch.finfo(dtype).min
+            out = (
+                m
+                if kind == "bool"
+                else torch.zeros(m.shape, dtype=dtype, device=self.device).masked_fill_(~m, torch.finfo(dtype).min)
             )
         self._memo[key] = out
         return out
@@ -205,7 +207,7 @@ class EvictingLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, cache: "EvictingCache", layer_idx: int):
+    def __init__(self, cache: EvictingCache, layer_idx: int):
         super().__init__()
         self._cache_ref = weakref.ref(cache)
         self.layer_idx = layer_idx
@@ -220,7 +222,7 @@ class EvictingLayer(CacheLayerMixin):
         self.last_eviction: dict | None = None
 
     @property
-    def cache(self) -> "EvictingCache":
+    def cache(self) -> EvictingCache:
         return self._cache_ref()
 
     # ----------------------------------------------------------------------------------------------- allocation
@@ -237,7 +239,9 @@ class EvictingLayer(CacheLayerMixin):
         self.keys = torch.zeros((b, h, capacity, self.head_dim), dtype=dtype, device=dev)
         self.values = torch.zeros((b, h, capacity, v_dim), dtype=dtype, device=dev)
         self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
-        self.state = {n: torch.zeros((b, h, capacity), dtype=torch.float32, device=dev) for n in self.cache.policy.state_names}
+        self.state = {
+            n: torch.zeros((b, h, capacity), dtype=torch.float32, device=dev) for n in self.cache.policy.state_names
+        }
         self.row_memo = {"acc_upto": torch.full((b,), -1, dtype=torch.long, device=dev)}
 
     def _grow(self, capacity: int) -> None:
@@ -340,8 +344,10 @@ class EvictingLayer(CacheLayerMixin):
             idx = torch.arange(self._q_next, self._q_next + m, device=query.device) % w
             self.queries.index_copy_(2, idx, query[:, :, -m:])
             self.query_positions.index_copy_(1, idx, step.new_positions()[:, -m:])
-            valid = step.new_valid[:, -m:] if step.new_valid is not None else torch.ones(
-                (b, m), dtype=torch.bool, device=query.device
+            valid = (
+                step.new_valid[:, -m:]
+                if step.new_valid is not None
+                else torch.ones((b, m), dtype=torch.bool, device=query.device)
             )
             self.query_valid.index_copy_(1, idx, valid)
         self._q_next = (self._q_next + m) % w
@@ -380,11 +386,21 @@ class EvictingLayer(CacheLayerMixin):
             q, qp, qv = pick(self.queries), pick(self.query_positions), pick(self.query_valid)
         evs = step.tensor("row_evictions", c._row_evictions)
         ctx = EvictionContext(
-            keys=keys, values=values, positions=positions, valid=valid, candidates=candidates,
-            queries=q, query_positions=qp, query_valid=qv,
-            scaling=self.scaling or self.head_dim**-0.5, layer_idx=self.layer_idx, budget=c.budget,
-            row_keys=pick(c._row_keys_tensor(keys.device)), eviction_index=pick(evs),
-            state=state, memo={"latest_query": pick(step.latest_positions()), "acc_upto": memo},
+            keys=keys,
+            values=values,
+            positions=positions,
+            valid=valid,
+            candidates=candidates,
+            queries=q,
+            query_positions=qp,
+            query_valid=qv,
+            scaling=self.scaling or self.head_dim**-0.5,
+            layer_idx=self.layer_idx,
+            budget=c.budget,
+            row_keys=pick(c._row_keys_tensor(keys.device)),
+            eviction_index=pick(evs),
+            state=state,
+            memo={"latest_query": pick(step.latest_positions()), "acc_upto": memo},
         )
         return ctx, forced
 
@@ -502,8 +518,11 @@ class EvictingLayer(CacheLayerMixin):
             else:
                 rt = step.tensor(("rows", tuple(rows)), rows)
                 sub = (
-                    new_k.index_select(0, rt), new_v.index_select(0, rt), positions.index_select(0, rt),
-                    valid.index_select(0, rt), {n: s.index_select(0, rt) for n, s in state.items()},
+                    new_k.index_select(0, rt),
+                    new_v.index_select(0, rt),
+                    positions.index_select(0, rt),
+                    valid.index_select(0, rt),
+                    {n: s.index_select(0, rt) for n, s in state.items()},
                 )
             sel = self._select(step, None if whole else rows, *sub)
             if whole:
@@ -660,8 +679,7 @@ class EvictingCache(Cache):
         """Called by vase's forward pre-hook before a forward pass: validate and stash the padding mask."""
         if model is not None and self._model_ref() is not None and model is not _decoder(self._model_ref()):
             raise ValueError(
-                "this EvictingCache was created for another model; create one per model with "
-                "EvictingCache(model, ...)"
+                "this EvictingCache was created for another model; create one per model with EvictingCache(model, ...)"
             )
         self._check_batch(batch)
         if self._step is not None:
@@ -718,9 +736,7 @@ class EvictingCache(Cache):
             self._row_limit = [max(self.budget, cnt) + self.buffer if dense else self.budget + self.buffer for cnt in n]
             self.capacity = max(self._row_limit)
         if self.policy.evicts:
-            limit = [
-                self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)
-            ]
+            limit = [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
             evict_rows = [i for i, (cnt, lim) in enumerate(zip(n, limit)) if cnt >= lim]
             keep = [self.budget if cnt >= lim else cnt for cnt, lim in zip(n, limit)]
         else:
@@ -730,8 +746,17 @@ class EvictingCache(Cache):
         append = q == 1 and self.layers[0].is_initialized
         uniform = new_valid is None and len(set(fill)) == 1
         self._step = _Step(
-            q=q, append=append, fill_before=fill, counts=counts, keep=keep, evict_rows=evict_rows,
-            seen_before=self._seen, real_before=list(self._real), new_valid=new_valid, uniform=uniform, device=key_states.device,
+            q=q,
+            append=append,
+            fill_before=fill,
+            counts=counts,
+            keep=keep,
+            evict_rows=evict_rows,
+            seen_before=self._seen,
+            real_before=list(self._real),
+            new_valid=new_valid,
+            uniform=uniform,
+            device=key_states.device,
             capacity=self.capacity,
         )
         return self._step
@@ -786,15 +811,27 @@ class EvictingCache(Cache):
         elt = 0
         for layer in self.layers:
             if layer.is_initialized:
-                held += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                held += (
+                    layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                )
                 elt = layer.keys.element_size()
         batch = self.batch or 0
         full = batch * self.num_kv_heads * self._seen * self.head_dim * 2 * elt * self.num_layers
         return CacheStats(
-            policy=self.policy.name, budget=self.budget, buffer=self.buffer, batch=batch, layers=self.num_layers,
-            tokens_seen=self._seen, real_tokens=list(self._real), slots_held=max(self._fill, default=0),
-            capacity=self.capacity or 0, evictions=self._evictions, tokens_evicted=self._tokens_evicted,
-            bytes_held=held, bytes_full=full, eviction_seconds=self._eviction_seconds,
+            policy=self.policy.name,
+            budget=self.budget,
+            buffer=self.buffer,
+            batch=batch,
+            layers=self.num_layers,
+            tokens_seen=self._seen,
+            real_tokens=list(self._real),
+            slots_held=max(self._fill, default=0),
+            capacity=self.capacity or 0,
+            evictions=self._evictions,
+            tokens_evicted=self._tokens_evicted,
+            bytes_held=held,
+            bytes_full=full,
+            eviction_seconds=self._eviction_seconds,
         )
 
 
@@ -812,7 +849,12 @@ def check_model_supported(config) -> None:
     """
     types = getattr(config, "layer_types", None) or []
     bad = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
-    if not bad and not types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+    if (
+        not bad
+        and not types
+        and getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True)
+    ):
         bad = ["sliding_attention"]
     if bad:
         raise ValueError(

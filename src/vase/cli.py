@@ -6,7 +6,6 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -52,7 +51,7 @@ ShareOpt = typer.Option(None, "--protect-share", help="share of the budget prote
 SeedOpt = typer.Option(0, "--seed", help="seed for eviction sampling and token sampling")
 
 
-def _policy_options(protect_share: Optional[float]) -> dict:
+def _policy_options(protect_share: float | None) -> dict:
     return {} if protect_share is None else {"protect_share": protect_share}
 
 
@@ -76,21 +75,21 @@ def policies():
 @app.command()
 @friendly
 def generate(
-    prompt: Optional[str] = typer.Argument(None, help="prompt text; '-' or nothing (with a pipe) reads stdin"),
-    data: Optional[str] = typer.Option(None, "--data", help="JSONL file or task name (gsm8k, math500, ...)"),
+    prompt: str | None = typer.Argument(None, help="prompt text; '-' or nothing (with a pipe) reads stdin"),
+    data: str | None = typer.Option(None, "--data", help="JSONL file or task name (gsm8k, math500, ...)"),
     index: int = typer.Option(0, "--index", help="problem number in --data (0-based)"),
-    question_field: Optional[str] = typer.Option(None, "--question-field", help="question field in --data"),
+    question_field: str | None = typer.Option(None, "--question-field", help="question field in --data"),
     template: str = typer.Option("auto", help="auto (task template for --data), math, mcq, none"),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     attn: str = AttnOpt,
     policy: str = PolicyOpt,
-    budget: Optional[int] = BudgetOpt,
-    ratio: Optional[float] = RatioOpt,
+    budget: int | None = BudgetOpt,
+    ratio: float | None = RatioOpt,
     buffer: int = BufferOpt,
-    window: Optional[int] = WindowOpt,
-    protect_share: Optional[float] = ShareOpt,
+    window: int | None = WindowOpt,
+    protect_share: float | None = ShareOpt,
     sinks: int = typer.Option(4, help="attention-sink tokens always kept"),
     dense_prompt: bool = typer.Option(False, "--dense-prompt", help="keep the prompt dense until the first eviction"),
     seed: int = SeedOpt,
@@ -99,18 +98,37 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy; reasoning models: 0.6"),
     top_p: float = typer.Option(0.95, "--top-p"),
     top_k: int = typer.Option(20, "--top-k"),
-    system: Optional[str] = typer.Option(None, help="system prompt"),
+    system: str | None = typer.Option(None, help="system prompt"),
     no_chat: bool = typer.Option(False, "--no-chat", help="do not apply the chat template"),
 ):
     """Generate from one prompt with an evicting cache, streaming the text, then print a stats line."""
-    from .data import TEMPLATES, pick_problem
+    from .data import TEMPLATES
 
     text = _prompt_text(prompt, data, index, question_field, template)
     if template in TEMPLATES and data is None:
         text = TEMPLATES[template].format(question=text)
     _run_generation(
-        text, model, dtype, device, attn, policy, budget, ratio, buffer, window, protect_share, sinks, dense_prompt,
-        seed, max_new_tokens, min_new_tokens, temperature, top_p, top_k, system, not no_chat,
+        text,
+        model,
+        dtype,
+        device,
+        attn,
+        policy,
+        budget,
+        ratio,
+        buffer,
+        window,
+        protect_share,
+        sinks,
+        dense_prompt,
+        seed,
+        max_new_tokens,
+        min_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        system,
+        not no_chat,
     )
 
 
@@ -137,8 +155,27 @@ def _prompt_text(prompt, data, index, question_field, template) -> str:
 
 
 def _run_generation(
-    text, model, dtype, device, attn, policy, budget, ratio, buffer, window, protect_share, sinks, dense_prompt,
-    seed, max_new_tokens, min_new_tokens, temperature, top_p, top_k, system, chat,
+    text,
+    model,
+    dtype,
+    device,
+    attn,
+    policy,
+    budget,
+    ratio,
+    buffer,
+    window,
+    protect_share,
+    sinks,
+    dense_prompt,
+    seed,
+    max_new_tokens,
+    min_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    system,
+    chat,
 ):
     from transformers import TextStreamer
 
@@ -152,10 +189,26 @@ def _run_generation(
     typer.echo(f"[vase] model {lm.name} on {lm.device} ({str(lm.dtype).replace('torch.', '')})", err=True)
     streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = run(
-        lm.model, lm.tokenizer, text, policy=policy, budget=budget, compression_ratio=ratio, buffer=buffer,
-        sinks=sinks, window=window, seed=seed, compress_prompt=not dense_prompt, max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chat=chat,
-        system=system, streamer=streamer, **_policy_options(protect_share),
+        lm.model,
+        lm.tokenizer,
+        text,
+        policy=policy,
+        budget=budget,
+        compression_ratio=ratio,
+        buffer=buffer,
+        sinks=sinks,
+        window=window,
+        seed=seed,
+        compress_prompt=not dense_prompt,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        chat=chat,
+        system=system,
+        streamer=streamer,
+        **_policy_options(protect_share),
     )
     sys.stdout.flush()
     typer.echo(result.stats_line())
@@ -165,7 +218,7 @@ def _run_generation(
 @app.command()
 @friendly
 def demo(
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     policy: str = PolicyOpt,
     budget: int = typer.Option(128, "--budget", "-b"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
@@ -177,7 +230,7 @@ def demo(
     problem. The small model would stop early, so end-of-sequence is suppressed until max_new_tokens: the cache
     then goes through several evictions.
     """
-    from .data import BUILTIN_PROMPT, TEMPLATES, DataError, pick_problem, resolve_task
+    from .data import BUILTIN_PROMPT, TEMPLATES, pick_problem, resolve_task
 
     _, path = resolve_task("gsm8k")
     if path.exists():
@@ -188,12 +241,31 @@ def demo(
     typer.echo(f"[vase] demo: {source}, policy {policy}, budget {budget}, {max_new_tokens} new tokens", err=True)
     typer.echo(text + "\n" + "-" * 80)
     _run_generation(
-        text, model, "auto", device, "sdpa", policy, budget, None, 64, None, None, 4, False, 0, max_new_tokens,
-        max_new_tokens, 0.6, 0.95, 20, None, True,
+        text,
+        model,
+        "auto",
+        device,
+        "sdpa",
+        policy,
+        budget,
+        None,
+        64,
+        None,
+        None,
+        4,
+        False,
+        0,
+        max_new_tokens,
+        max_new_tokens,
+        0.6,
+        0.95,
+        20,
+        None,
+        True,
     )
 
 
-def _csv(text: Optional[str], cast=str) -> list:
+def _csv(text: str | None, cast=str) -> list:
     if text is None or not str(text).strip():
         return []
     try:
@@ -214,10 +286,10 @@ def eval_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="results directory (resumes if it exists)"),
     tasks: str = typer.Option("gsm8k", help="comma-separated task names or JSONL files"),
     policies: str = typer.Option("full,streaming_llm,snapkv,rkv,vase", help="comma-separated, or 'all'"),
-    budgets: Optional[str] = typer.Option(None, help="comma-separated budgets in tokens"),
-    ratios: Optional[str] = typer.Option(None, help="comma-separated compression ratios"),
+    budgets: str | None = typer.Option(None, help="comma-separated budgets in tokens"),
+    ratios: str | None = typer.Option(None, help="comma-separated compression ratios"),
     seeds: str = typer.Option("0", help="comma-separated seeds: k seeds = k samples per problem"),
-    limit: Optional[int] = typer.Option(None, help="first N problems of each task"),
+    limit: int | None = typer.Option(None, help="first N problems of each task"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
     greedy: bool = typer.Option(False, "--greedy", help="greedy decoding (CPU smoke runs)"),
     temperature: float = typer.Option(0.6, help="sampling temperature (reasoning-model default 0.6)"),
@@ -225,10 +297,10 @@ def eval_cmd(
     top_k: int = typer.Option(20, "--top-k"),
     buffer: int = BufferOpt,
     batch_size: int = typer.Option(4, "--batch-size", help="completions generated together"),
-    shard: Optional[str] = typer.Option(None, help="I/N: run every N-th work unit starting at I"),
-    question_field: Optional[str] = typer.Option(None, "--question-field"),
+    shard: str | None = typer.Option(None, help="I/N: run every N-th work unit starting at I"),
+    question_field: str | None = typer.Option(None, "--question-field"),
     answer_field: str = typer.Option("answer", "--answer-field"),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     attn: str = AttnOpt,
@@ -238,10 +310,22 @@ def eval_cmd(
 
     _threads()
     config = EvalConfig(
-        model=model or "smollm2", dtype=dtype, attn=attn, tasks=_csv(tasks), policies=_policies(policies),
-        budgets=_csv(budgets, int), ratios=_csv(ratios, float), seeds=_csv(seeds, int), limit=limit,
-        max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
-        buffer=buffer, question_field=question_field, answer_field=answer_field,
+        model=model or "smollm2",
+        dtype=dtype,
+        attn=attn,
+        tasks=_csv(tasks),
+        policies=_policies(policies),
+        budgets=_csv(budgets, int),
+        ratios=_csv(ratios, float),
+        seeds=_csv(seeds, int),
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0 if greedy else temperature,
+        top_p=top_p,
+        top_k=top_k,
+        buffer=buffer,
+        question_field=question_field,
+        answer_field=answer_field,
     )
     path = run_sweep(config, out, shard=parse_shard(shard), batch_size=batch_size, device=device)
     typer.echo(f"[vase] records in {path}; summary: vase report {out}")
@@ -268,12 +352,12 @@ def fidelity(
     prompts: int = typer.Option(20, help="number of prompts (text windows for text:PATH)"),
     tokens: int = typer.Option(1024, help="continuation length in tokens"),
     policies: str = typer.Option("all", help="comma-separated, or 'all'"),
-    ratios: Optional[str] = typer.Option("2,4,8", help="comma-separated compression ratios"),
-    budgets: Optional[str] = typer.Option(None, help="comma-separated budgets in tokens"),
+    ratios: str | None = typer.Option("2,4,8", help="comma-separated compression ratios"),
+    budgets: str | None = typer.Option(None, help="comma-separated budgets in tokens"),
     buffer: int = BufferOpt,
     bucket: int = typer.Option(256, help="position bucket size for the per-position report"),
     seed: int = SeedOpt,
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     attn: str = AttnOpt,
@@ -283,9 +367,18 @@ def fidelity(
 
     _threads()
     config = FidelityConfig(
-        model=model or "smollm2", dtype=dtype, attn=attn, source=source, prompts=prompts, tokens=tokens,
-        policies=_policies(policies), ratios=_csv(ratios, float), budgets=_csv(budgets, int), buffer=buffer,
-        bucket=bucket, seed=seed,
+        model=model or "smollm2",
+        dtype=dtype,
+        attn=attn,
+        source=source,
+        prompts=prompts,
+        tokens=tokens,
+        policies=_policies(policies),
+        ratios=_csv(ratios, float),
+        budgets=_csv(budgets, int),
+        buffer=buffer,
+        bucket=bucket,
+        seed=seed,
     )
     path = run_fidelity(config, out, device=device)
     typer.echo(f"[vase] records in {path}; summary: vase report {out}")
@@ -294,13 +387,13 @@ def fidelity(
 @app.command()
 @friendly
 def inspect(
-    prompt: Optional[str] = typer.Argument(None, help="prompt text ('-' reads stdin)"),
-    data: Optional[str] = typer.Option(None, "--data", help="JSONL file or task name"),
+    prompt: str | None = typer.Argument(None, help="prompt text ('-' reads stdin)"),
+    data: str | None = typer.Option(None, "--data", help="JSONL file or task name"),
     index: int = typer.Option(0, "--index"),
     generate_tokens: int = typer.Option(0, "--generate", help="also generate this many tokens (full cache) first"),
     out: Path = typer.Option(Path("inspect"), "--out", "-o", help="folder for the PNG heat-map and JSON"),
     top: int = typer.Option(5, help="tokens listed per layer"),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ):
@@ -319,7 +412,7 @@ def inspect(
 @friendly
 def report(
     results: Path = typer.Argument(..., help="results directory of `vase eval` or `vase fidelity`"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="where REPORT.md and the PNGs go (default: RESULTS)"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="where REPORT.md and the PNGs go (default: RESULTS)"),
 ):
     """Markdown tables and PNG plots from a results directory."""
     from .report import write_report
@@ -339,7 +432,7 @@ def bench(
     buffer: int = BufferOpt,
     profile: bool = typer.Option(False, "--profile", help="only profile the eviction steps of vase and exit"),
     profile_budget: int = typer.Option(1024, "--profile-budget"),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     device: str = DeviceOpt,
 ):
     """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
@@ -353,8 +446,16 @@ def bench(
         for policy in _csv(policies) or ["vase"]:
             typer.echo(profile_eviction(lm, policy=policy, budget=profile_budget, buffer=buffer))
         return
-    data = run_bench(out, _csv(policies), _csv(budgets, int), _csv(lengths, int), buffer=buffer, model=model,
-                     device=device, echo=lambda m: typer.echo(m, err=True))
+    run_bench(
+        out,
+        _csv(policies),
+        _csv(budgets, int),
+        _csv(lengths, int),
+        buffer=buffer,
+        model=model,
+        device=device,
+        echo=lambda m: typer.echo(m, err=True),
+    )
     typer.echo((out / "BENCH.md").read_text())
 
 

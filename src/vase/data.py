@@ -79,7 +79,9 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         raise DataError(f"data file not found: {path}")
     if path.suffix not in (".jsonl", ".json") and not path.name.endswith(".jsonl.txt"):
-        raise DataError(f"unknown file format {path.suffix or '(none)'} for {path}: vase reads JSONL, one JSON object per line")
+        raise DataError(
+            f"unknown file format {path.suffix or '(none)'} for {path}: vase reads JSONL, one JSON object per line"
+        )
     rows = []
     with path.open(encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
@@ -137,9 +139,7 @@ def load_problems(
     if missing:
         raise DataError(f"problem {missing[0]} of {path} has no field {qf!r}")
     if require_answer and (answer_field is None or any(answer_field not in r for r in rows)):
-        raise DataError(
-            f"no answer field {answer_field!r} in {path} (fields: {', '.join(fields)}); use --answer-field"
-        )
+        raise DataError(f"no answer field {answer_field!r} in {path} (fields: {', '.join(fields)}); use --answer-field")
     golds = [_gold(r.get(answer_field)) if answer_field else None for r in rows]
     if kind is None:
         letters = all(g is not None and len(g) == 1 and g.upper() in "ABCDEFGHIJ" for g in golds)
@@ -161,5 +161,7 @@ def pick_problem(name_or_path: str, index: int, question_field: str | None = Non
     """
     problems = load_problems(name_or_path, question_field=question_field, require_answer=False)
     if not 0 <= index < len(problems):
-        raise DataError(f"index {index} is out of range: the file has {len(problems)} problems (0..{len(problems) - 1})")
+        raise DataError(
+            f"index {index} is out of range: the file has {len(problems)} problems (0..{len(problems) - 1})"
+        )
     return problems[index]

@@ -20,8 +20,8 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -174,11 +174,12 @@ def load_config(out: Path) -> EvalConfig:
 
 
 def work_units(config: EvalConfig, problems: dict[str, list[Problem]]) -> list[tuple]:
-    """All (task, problem, policy, size, seed) units of the grid, in a fixed order."""
+    """All (task, problem, policy, size, seed) units of the grid, in a fixed order (``full`` at one size only)."""
     units = []
     for task in config.tasks:
         for policy in config.policies:
-            for size in config.sizes():
+            # the full cache does not depend on the cache size: run it once, at the first size of the grid
+            for size in config.sizes()[:1] if policy == "full" else config.sizes():
                 for seed in config.seeds:
                     for p in problems[task]:
                         units.append((task, p, policy, size, seed))
@@ -238,30 +239,57 @@ def run_sweep(
         return path
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
     budgets = _ratio_budgets(config, problems, lm.tokenizer, encode_prompts)
-    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"eval {out.name}", unit="completion",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(units),
+        initial=len(units) - len(todo),
+        desc=f"eval {out.name}",
+        unit="completion",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     with path.open("a", encoding="utf-8") as fh:
         for batch in _batches(todo, batch_size):
             task, _, policy, size, _ = batch[0]
             budget = int(size[1]) if size[0] == "budget" else budgets[(task, size[1])]
             start = time.perf_counter()
             res = generate(
-                lm.model, lm.tokenizer, [u[1].prompt() for u in batch], policy=policy, budget=budget,
-                buffer=config.buffer, seed=[u[4] for u in batch], max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, **config.policy_options,
+                lm.model,
+                lm.tokenizer,
+                [u[1].prompt() for u in batch],
+                policy=policy,
+                budget=budget,
+                buffer=config.buffer,
+                seed=[u[4] for u in batch],
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                top_k=config.top_k,
+                **config.policy_options,
             )
             seconds = time.perf_counter() - start
             st = res.stats
-            for (task, problem, policy, size, seed), comp in zip(batch, res.completions):
+            for (_, problem, policy, size, seed), comp in zip(batch, res.completions):
                 answer, correct = grade(comp.text, problem.answer, problem.kind)
                 rec = {
-                    "task": problem.task, "problem_id": problem.id, "policy": policy, "budget": budget,
-                    "ratio": size[1] if size[0] == "ratio" else None, "seed": seed, "gold": problem.answer,
-                    "answer": answer, "correct": bool(correct), "loop": loop_flag(comp.text, comp.finished),
-                    "new_tokens": comp.new_tokens, "prompt_tokens": comp.prompt_tokens, "finished": comp.finished,
-                    "evictions": st.evictions, "kv_bytes": st.bytes_held // max(st.batch, 1),
-                    "kv_bytes_full": st.bytes_full // max(st.batch, 1), "seconds": round(seconds, 3),
-                    "batch_size": len(batch), "text": comp.text,
+                    "task": problem.task,
+                    "problem_id": problem.id,
+                    "policy": policy,
+                    "budget": budget,
+                    "ratio": size[1] if size[0] == "ratio" else None,
+                    "seed": seed,
+                    "gold": problem.answer,
+                    "answer": answer,
+                    "correct": bool(correct),
+                    "loop": loop_flag(comp.text, comp.finished),
+                    "new_tokens": comp.new_tokens,
+                    "prompt_tokens": comp.prompt_tokens,
+                    "finished": comp.finished,
+                    "evictions": st.evictions,
+                    "kv_bytes": st.bytes_held // max(st.batch, 1),
+                    "kv_bytes_full": st.bytes_full // max(st.batch, 1),
+                    "seconds": round(seconds, 3),
+                    "batch_size": len(batch),
+                    "text": comp.text,
                 }
                 fh.write(json.dumps(rec) + "\n")
             fh.flush()
@@ -336,12 +364,20 @@ def summarize(records: list[dict]) -> list[dict]:
         means = [sum(v) / len(v) for v in per_problem.values()]
         acc = 100 * sum(means) / len(means)
         se = 100 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
-        rows.append({
-            "task": task, "policy": policy, "budget": budget, "ratio": ratio, "pass1": acc, "se": se,
-            "loop_rate": 100 * sum(r["loop"] for r in recs) / len(recs),
-            "mean_tokens": sum(r["new_tokens"] for r in recs) / len(recs),
-            "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
-            "kv_bytes_full": sum(r["kv_bytes_full"] for r in recs) / len(recs),
-            "completions": len(recs), "problems": len(means),
-        })
+        rows.append(
+            {
+                "task": task,
+                "policy": policy,
+                "budget": budget,
+                "ratio": ratio,
+                "pass1": acc,
+                "se": se,
+                "loop_rate": 100 * sum(r["loop"] for r in recs) / len(recs),
+                "mean_tokens": sum(r["new_tokens"] for r in recs) / len(recs),
+                "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
+                "kv_bytes_full": sum(r["kv_bytes_full"] for r in recs) / len(recs),
+                "completions": len(recs),
+                "problems": len(means),
+            }
+        )
     return rows

@@ -62,8 +62,9 @@ def schedule(prompt: int, fed: int, budget: int, buffer: int) -> list[int]:
 
 
 @torch.inference_mode()
-def replay(model, prompt_ids: torch.Tensor, continuation: torch.Tensor, policy: str, budget: int, buffer: int,
-           seed: int = 0) -> torch.Tensor:
+def replay(
+    model, prompt_ids: torch.Tensor, continuation: torch.Tensor, policy: str, budget: int, buffer: int, seed: int = 0
+) -> torch.Tensor:
     """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
 
     Args:
@@ -94,16 +95,23 @@ def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket:
 
     def agg(sl):
         return {
-            "kl": kl[sl].mean().item(), "top1": top1[sl].mean().item(),
-            "nll_full": nll_ref[sl].mean().item(), "nll_policy": nll_pol[sl].mean().item(),
+            "kl": kl[sl].mean().item(),
+            "top1": top1[sl].mean().item(),
+            "nll_full": nll_ref[sl].mean().item(),
+            "nll_policy": nll_pol[sl].mean().item(),
         }
 
     whole = agg(slice(0, n))
-    buckets = [{"start": s, "end": min(s + bucket, n), **agg(slice(s, min(s + bucket, n)))} for s in range(0, n, bucket)]
+    buckets = [
+        {"start": s, "end": min(s + bucket, n), **agg(slice(s, min(s + bucket, n)))} for s in range(0, n, bucket)
+    ]
     return {
-        "kl_mean": whole["kl"], "top1": whole["top1"], "ppl_full": math.exp(whole["nll_full"]),
+        "kl_mean": whole["kl"],
+        "top1": whole["top1"],
+        "ppl_full": math.exp(whole["nll_full"]),
         "ppl_policy": math.exp(whole["nll_policy"]),
-        "ppl_change": math.exp(whole["nll_policy"] - whole["nll_full"]) - 1.0, "buckets": buckets,
+        "ppl_change": math.exp(whole["nll_policy"] - whole["nll_full"]) - 1.0,
+        "buckets": buckets,
     }
 
 
@@ -119,8 +127,11 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True) -> list[dic
             raise ValueError(f"{path} has {len(ids)} tokens, fewer than prefix + tokens = {span}")
         step = max((len(ids) - span) // max(config.prompts, 1), 1)
         return [
-            {"id": f"{path.name}@{i * step}", "prompt": ids[i * step : i * step + config.prefix_tokens],
-             "continuation": ids[i * step + config.prefix_tokens : i * step + span]}
+            {
+                "id": f"{path.name}@{i * step}",
+                "prompt": ids[i * step : i * step + config.prefix_tokens],
+                "continuation": ids[i * step + config.prefix_tokens : i * step + span],
+            }
             for i in range(config.prompts)
         ]
     from tqdm.auto import tqdm
@@ -131,8 +142,16 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True) -> list[dic
     problems = load_problems(config.source, require_answer=False)[: config.prompts]
     out = []
     for p in tqdm(problems, desc="reference reasoning (full cache)", disable=not progress, dynamic_ncols=True):
-        res = generate(lm.model, lm.tokenizer, p.prompt(), policy="full", budget=config.tokens + 64,
-                       max_new_tokens=config.tokens, min_new_tokens=config.tokens, seed=config.seed)
+        res = generate(
+            lm.model,
+            lm.tokenizer,
+            p.prompt(),
+            policy="full",
+            budget=config.tokens + 64,
+            max_new_tokens=config.tokens,
+            min_new_tokens=config.tokens,
+            seed=config.seed,
+        )
         from .generation import encode_prompts
 
         prompt = encode_prompts(lm.tokenizer, [p.prompt()])["input_ids"][0].tolist()
@@ -183,11 +202,19 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     continue
                 ref = replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)
                 for policy in todo:
-                    pol = ref if policy == "full" else replay(lm.model, prompt, cont, policy, budget, config.buffer, config.seed)
+                    pol = (
+                        ref
+                        if policy == "full"
+                        else replay(lm.model, prompt, cont, policy, budget, config.buffer, config.seed)
+                    )
                     rec = {
-                        "source": s["id"], "policy": policy, "budget": budget,
-                        "ratio": value if kind == "ratio" else None, "compression": length / budget,
-                        "prompt_tokens": prompt.numel(), "tokens": cont.numel(),
+                        "source": s["id"],
+                        "policy": policy,
+                        "budget": budget,
+                        "ratio": value if kind == "ratio" else None,
+                        "compression": length / budget,
+                        "prompt_tokens": prompt.numel(),
+                        "tokens": cont.numel(),
                         **compare(ref, pol, cont, config.bucket),
                     }
                     fh.write(json.dumps(rec) + "\n")
@@ -208,17 +235,24 @@ def summarize(records: list[dict]) -> list[dict]:
     for (policy, size), recs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         n = len(recs)
         nb = min(len(r["buckets"]) for r in recs)
-        rows.append({
-            "policy": policy, "size": size, "sources": n,
-            "compression": sum(r["compression"] for r in recs) / n,
-            "kl": sum(r["kl_mean"] for r in recs) / n,
-            "top1": 100 * sum(r["top1"] for r in recs) / n,
-            "ppl_change": 100 * sum(r["ppl_change"] for r in recs) / n,
-            "buckets": [
-                {"start": recs[0]["buckets"][i]["start"], "end": recs[0]["buckets"][i]["end"],
-                 "kl": sum(r["buckets"][i]["kl"] for r in recs) / n,
-                 "top1": 100 * sum(r["buckets"][i]["top1"] for r in recs) / n}
-                for i in range(nb)
-            ],
-        })
+        rows.append(
+            {
+                "policy": policy,
+                "size": size,
+                "sources": n,
+                "compression": sum(r["compression"] for r in recs) / n,
+                "kl": sum(r["kl_mean"] for r in recs) / n,
+                "top1": 100 * sum(r["top1"] for r in recs) / n,
+                "ppl_change": 100 * sum(r["ppl_change"] for r in recs) / n,
+                "buckets": [
+                    {
+                        "start": recs[0]["buckets"][i]["start"],
+                        "end": recs[0]["buckets"][i]["end"],
+                        "kl": sum(r["buckets"][i]["kl"] for r in recs) / n,
+                        "top1": 100 * sum(r["buckets"][i]["top1"] for r in recs) / n,
+                    }
+                    for i in range(nb)
+                ],
+            }
+        )
     return rows

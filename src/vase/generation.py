@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -164,7 +164,10 @@ def generate(
     if context and prompt_len >= context:
         raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context of {context} tokens")
     if context and prompt_len + max_new_tokens > context:
-        warnings.warn(f"max_new_tokens cut to {context - prompt_len} to stay within the model's context of {context}")
+        warnings.warn(
+            f"max_new_tokens cut to {context - prompt_len} to stay within the model's context of {context}",
+            stacklevel=2,
+        )
         max_new_tokens = context - prompt_len
     if compression_ratio is not None:
         budget = budget_for_ratio(compression_ratio, prompt_len + max_new_tokens)
@@ -174,12 +177,21 @@ def generate(
     batch = len(prompts)
     row_seeds = list(seed) if not isinstance(seed, int) else [seed + i for i in range(batch)]
     cache = EvictingCache(
-        model, policy=policy, budget=budget, buffer=buffer, sinks=sinks, window=window, seed=row_seeds,
-        compress_prompt=compress_prompt, **policy_options,
+        model,
+        policy=policy,
+        budget=budget,
+        buffer=buffer,
+        sinks=sinks,
+        window=window,
+        seed=row_seeds,
+        compress_prompt=compress_prompt,
+        **policy_options,
     )
     sampling = temperature > 0
     gen_kwargs = dict(
-        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=sampling,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        do_sample=sampling,
         pad_token_id=tokenizer.pad_token_id,
     )
     if sampling:

@@ -25,8 +25,9 @@ def collect_kv(lm, text: str, generate_tokens: int = 0) -> tuple[list[int], list
     enc = encode_prompts(lm.tokenizer, [text]).to(lm.device)
     ids = enc["input_ids"]
     if generate_tokens > 0:
-        ids = lm.model.generate(**enc, max_new_tokens=generate_tokens, do_sample=False,
-                                cache=DynamicCache(config=lm.model.config))
+        ids = lm.model.generate(
+            **enc, max_new_tokens=generate_tokens, do_sample=False, cache=DynamicCache(config=lm.model.config)
+        )
     cache = DynamicCache(config=lm.model.config)
     lm.model(input_ids=ids, cache=cache)
     keys = [layer.keys[0].float().cpu() for layer in cache.layers]
@@ -42,16 +43,23 @@ def magnitude_table(keys: list[torch.Tensor], values: list[torch.Tensor], top: i
         v_range = v.amax(-1) - v.amin(-1)  # [H, T]
         v_l2, k_l2 = v.norm(dim=-1), k.norm(dim=-1)
         for h in range(v.shape[0]):
-            def ratio(x):
+
+            def ratio(x, h=h):
                 return (x[h].max() / x[h].median().clamp_min(1e-12)).item()
 
             order = torch.argsort(v_range[h], descending=True)[:top]
-            rows.append({
-                "layer": layer, "head": h, "v_range_max_over_median": ratio(v_range),
-                "v_l2_max_over_median": ratio(v_l2), "k_l2_max_over_median": ratio(k_l2),
-                "top_positions": order.tolist(), "top_ranges": v_range[h, order].tolist(),
-                "median_range": v_range[h].median().item(),
-            })
+            rows.append(
+                {
+                    "layer": layer,
+                    "head": h,
+                    "v_range_max_over_median": ratio(v_range),
+                    "v_l2_max_over_median": ratio(v_l2),
+                    "k_l2_max_over_median": ratio(k_l2),
+                    "top_positions": order.tolist(),
+                    "top_ranges": v_range[h, order].tolist(),
+                    "median_range": v_range[h].median().item(),
+                }
+            )
     return rows
 
 
@@ -70,7 +78,9 @@ def heatmap(values: list[torch.Tensor], path: Path, title: str) -> None:
     grid = torch.cat(rows).numpy()
     heads = values[0].shape[0]
     fig, ax = plt.subplots(figsize=(12, max(4, 0.12 * grid.shape[0])))
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma", norm=LogNorm(vmin=0.1, vmax=max(grid.max(), 1.1)))
+    im = ax.imshow(
+        grid, aspect="auto", interpolation="nearest", cmap="magma", norm=LogNorm(vmin=0.1, vmax=max(grid.max(), 1.1))
+    )
     ax.set_xlabel("token position")
     ax.set_ylabel(f"layer (x {heads} KV heads)")
     ticks = list(range(0, grid.shape[0], heads * max(1, len(values) // 10)))
@@ -94,8 +104,10 @@ def inspect_model(lm, text: str, out: Path, generate_tokens: int = 0, top: int =
     def show(pos):
         return f"{pos}:{tok.decode([ids[pos]])!r}"
 
-    lines = [f"{lm.name}, {len(ids)} tokens; max/median per layer (worst KV head)",
-             f"{'layer':>5} {'V range':>8} {'V L2':>7} {'K L2':>7}  largest value ranges (position:token)"]
+    lines = [
+        f"{lm.name}, {len(ids)} tokens; max/median per layer (worst KV head)",
+        f"{'layer':>5} {'V range':>8} {'V L2':>7} {'K L2':>7}  largest value ranges (position:token)",
+    ]
     for layer in range(len(values)):
         lr = [r for r in rows if r["layer"] == layer]
         worst = max(lr, key=lambda r: r["v_range_max_over_median"])

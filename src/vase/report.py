@@ -33,13 +33,15 @@ def eval_section(records: list[dict], out: Path) -> list[str]:
         lines += [
             f"### {task}: accuracy ({n_problems} problems)",
             "",
-            "| policy | cache size | pass@1 (%) | loop rate (%) | mean tokens | KV held (MiB) | full cache (MiB) | completions |",
+            "| policy | cache size | pass@1 (%) | loop rate (%) | mean tokens | KV held (MiB) | full cache (MiB) "
+            "| completions |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(trows, key=lambda r: (r["policy"] != "full", r["policy"], r["budget"])):
             lines.append(
                 f"| {r['policy']} | {_fmt_size(r)} | {r['pass1']:.1f} ± {r['se']:.1f} | {r['loop_rate']:.1f} | "
-                f"{r['mean_tokens']:.0f} | {r['kv_bytes'] / MIB:.2f} | {r['kv_bytes_full'] / MIB:.2f} | {r['completions']} |"
+                f"{r['mean_tokens']:.0f} | {r['kv_bytes'] / MIB:.2f} | {r['kv_bytes_full'] / MIB:.2f} | "
+                f"{r['completions']} |"
             )
         lines.append("")
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -78,8 +80,12 @@ def fidelity_section(records: list[dict], out: Path) -> list[str]:
         ("top-1 agreement with the full cache, % (higher is better)", "top1", "{:.1f}"),
         ("perplexity change of the continuation vs the full cache, % (lower is better)", "ppl_change", "{:+.1f}"),
     ):
-        lines += [f"{title}:", "", "| policy | " + " | ".join(label(s) for s in sizes) + " |",
-                  "|---" * (len(sizes) + 1) + "|"]
+        lines += [
+            f"{title}:",
+            "",
+            "| policy | " + " | ".join(label(s) for s in sizes) + " |",
+            "|---" * (len(sizes) + 1) + "|",
+        ]
         for p in policies:
             cells = []
             for s in sizes:
@@ -102,9 +108,12 @@ def fidelity_section(records: list[dict], out: Path) -> list[str]:
         if not srows or not srows[0]["buckets"]:
             continue
         buckets = srows[0]["buckets"]
-        lines += [f"KL by position in the continuation at {label(s)}:", "",
-                  "| policy | " + " | ".join(f"{b['start']}-{b['end']}" for b in buckets) + " |",
-                  "|---" * (len(buckets) + 1) + "|"]
+        lines += [
+            f"KL by position in the continuation at {label(s)}:",
+            "",
+            "| policy | " + " | ".join(f"{b['start']}-{b['end']}" for b in buckets) + " |",
+            "|---" * (len(buckets) + 1) + "|",
+        ]
         for r in sorted(srows, key=lambda r: r["kl"]):
             lines.append(f"| {r['policy']} | " + " | ".join(f"{b['kl']:.4f}" for b in r["buckets"]) + " |")
         lines.append("")
@@ -118,8 +127,12 @@ def fidelity_section(records: list[dict], out: Path) -> list[str]:
         style = dict(marker="o", linewidth=2.5 if p.startswith("vase") else 1.2)
         ax1.plot([r["compression"] for r in pts], [r["kl"] for r in pts], label=p, **style)
         ax2.plot([r["compression"] for r in pts], [r["top1"] for r in pts], label=p, **style)
-    ax1.set(xlabel="compression ratio", ylabel="mean KL(full ‖ policy) (nats)", yscale="log",
-            title="divergence from the full cache")
+    ax1.set(
+        xlabel="compression ratio",
+        ylabel="mean KL(full ‖ policy) (nats)",
+        yscale="log",
+        title="divergence from the full cache",
+    )
     ax2.set(xlabel="compression ratio", ylabel="top-1 agreement (%)", title="agreement with the full cache")
     ax1.legend(fontsize=8, ncol=2)
     fig.tight_layout()

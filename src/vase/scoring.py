@@ -133,7 +133,7 @@ def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
 
 
 def reduce_heads(x: torch.Tensor, how: str) -> torch.Tensor:
-    """``[b, H, G, S]`` -> ``[b, H, S]``: mean over each GQA group ('group') or over all heads of the layer ('layer')."""
+    """``[b, H, G, S]`` -> ``[b, H, S]``: mean over each GQA group ('group') or all heads of the layer ('layer')."""
     if how == "group":
         return x.mean(2)
     return x.mean((1, 2), keepdim=True).squeeze(2).expand(x.shape[0], x.shape[1], x.shape[3])

@@ -225,4 +225,3 @@ def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
     tier = _PROTECTED if guard.mode == "protect" else _DEMOTED
     pr = torch.where(protected, torch.full_like(pr, tier), pr)
     return protected, pr
-

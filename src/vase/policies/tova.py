@@ -17,6 +17,10 @@ DEFAULTS: dict = {}
 
 def build(**options) -> Policy:
     return compose(
-        NAME, SOURCE, KEEPS, partial(WindowAttention, window=1, kernel=1, pool="avg", head_reduce="layer"),
-        DEFAULTS, options,
+        NAME,
+        SOURCE,
+        KEEPS,
+        partial(WindowAttention, window=1, kernel=1, pool="avg", head_reduce="layer"),
+        DEFAULTS,
+        options,
     )

@@ -17,6 +17,13 @@ DEFAULTS = {"window": 64, "kernel": 5, "pool": "avg"}
 
 def build(**options) -> Policy:
     return compose(
-        NAME, SOURCE, KEEPS, WindowAttention, DEFAULTS, options,
-        selector="sample", guard="range", protect_share=0.25,
+        NAME,
+        SOURCE,
+        KEEPS,
+        WindowAttention,
+        DEFAULTS,
+        options,
+        selector="sample",
+        guard="range",
+        protect_share=0.25,
     )
