@@ -22,6 +22,18 @@ def _fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
+def _message(exc: Exception) -> str:
+    """One line for an error: pydantic's validation errors reduced to their first message."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            return f"{'.'.join(map(str, first['loc']))}: {first['msg'].removeprefix('Value error, ')}"
+        except (TypeError, IndexError, KeyError):
+            pass
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def friendly(fn):
     """Turn the library's clear ValueErrors (and Ctrl-C) into one line on stderr and a non-zero exit."""
 
@@ -30,7 +42,7 @@ def friendly(fn):
         try:
             return fn(*args, **kwargs)
         except (ValueError, FileNotFoundError, NotImplementedError) as exc:
-            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            _fail(_message(exc))
         except KeyboardInterrupt:
             _fail("interrupted", 130)
 
@@ -107,29 +119,25 @@ def generate(
     text = _prompt_text(prompt, data, index, question_field, template)
     if template in TEMPLATES and data is None:
         text = TEMPLATES[template].format(question=text)
-    _run_generation(
-        text,
-        model,
-        dtype,
-        device,
-        attn,
-        policy,
-        budget,
-        ratio,
-        buffer,
-        window,
-        protect_share,
-        sinks,
-        dense_prompt,
-        seed,
-        max_new_tokens,
-        min_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        system,
-        not no_chat,
+    options = dict(
+        policy=policy,
+        budget=budget,
+        compression_ratio=ratio,
+        buffer=buffer,
+        sinks=sinks,
+        window=window,
+        seed=seed,
+        compress_prompt=not dense_prompt,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        system=system,
+        chat=not no_chat,
+        **_policy_options(protect_share),
     )
+    _run_generation(text, dict(name=model, dtype=dtype, device=device, attn=attn), options)
 
 
 def _prompt_text(prompt, data, index, question_field, template) -> str:
@@ -154,62 +162,21 @@ def _prompt_text(prompt, data, index, question_field, template) -> str:
     return prompt
 
 
-def _run_generation(
-    text,
-    model,
-    dtype,
-    device,
-    attn,
-    policy,
-    budget,
-    ratio,
-    buffer,
-    window,
-    protect_share,
-    sinks,
-    dense_prompt,
-    seed,
-    max_new_tokens,
-    min_new_tokens,
-    temperature,
-    top_p,
-    top_k,
-    system,
-    chat,
-):
+def _run_generation(text: str, model_options: dict, options: dict):
+    """Load the model, stream the generation to stdout, end with the stats line. ``options`` go to vase.generate."""
     from transformers import TextStreamer
 
     from .generation import generate as run
     from .models import load_model
     from .policies import make_policy
 
-    make_policy(policy, **_policy_options(protect_share))  # bad policy options fail before loading a model
+    policy_options = {k: options[k] for k in ("protect_share",) if k in options}
+    make_policy(options["policy"], **policy_options)  # bad policy options fail before loading a model
     _threads()
-    lm = load_model(model, dtype=dtype, device=device, attn=attn)
+    lm = load_model(**model_options)
     typer.echo(f"[vase] model {lm.name} on {lm.device} ({str(lm.dtype).replace('torch.', '')})", err=True)
     streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = run(
-        lm.model,
-        lm.tokenizer,
-        text,
-        policy=policy,
-        budget=budget,
-        compression_ratio=ratio,
-        buffer=buffer,
-        sinks=sinks,
-        window=window,
-        seed=seed,
-        compress_prompt=not dense_prompt,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        chat=chat,
-        system=system,
-        streamer=streamer,
-        **_policy_options(protect_share),
-    )
+    result = run(lm.model, lm.tokenizer, text, streamer=streamer, **options)
     sys.stdout.flush()
     typer.echo(result.stats_line())
     return result
@@ -240,29 +207,17 @@ def demo(
         text, source = TEMPLATES["math"].format(question=BUILTIN_PROMPT), "built-in problem (no ../shared/data here)"
     typer.echo(f"[vase] demo: {source}, policy {policy}, budget {budget}, {max_new_tokens} new tokens", err=True)
     typer.echo(text + "\n" + "-" * 80)
-    _run_generation(
-        text,
-        model,
-        "auto",
-        device,
-        "sdpa",
-        policy,
-        budget,
-        None,
-        64,
-        None,
-        None,
-        4,
-        False,
-        0,
-        max_new_tokens,
-        max_new_tokens,
-        0.6,
-        0.95,
-        20,
-        None,
-        True,
+    options = dict(
+        policy=policy,
+        budget=budget,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        temperature=0.6,
+        top_p=0.95,
+        top_k=20,
+        seed=0,
     )
+    _run_generation(text, dict(name=model, device=device), options)
 
 
 def _csv(text: str | None, cast=str) -> list:

@@ -31,26 +31,14 @@ CONFIG_FILE = "config.json"
 RECORDS = "records.jsonl"
 
 
-class EvalConfig(BaseModel):
-    """Everything that decides the results of a sweep (the shard excepted)."""
+class RunConfig(BaseModel):
+    """What every sweep's results depend on: the model, how it is loaded, the policies, the buffer."""
 
     model: str = "smollm2"
     dtype: str = "auto"
     attn: str = "sdpa"
-    tasks: list[str]
     policies: list[str]
-    budgets: list[int] = Field(default_factory=list)
-    ratios: list[float] = Field(default_factory=list)
-    seeds: list[int] = Field(default_factory=lambda: [0])
-    limit: int | None = None
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 0.95
-    top_k: int = 20
     buffer: int = 64
-    question_field: str | None = None
-    answer_field: str = "answer"
-    policy_options: dict = Field(default_factory=dict)
 
     @field_validator("policies")
     @classmethod
@@ -62,13 +50,30 @@ class EvalConfig(BaseModel):
             raise ValueError(f"unknown policy {bad[0]!r}; valid policies: {', '.join(POLICY_NAMES)}")
         return v
 
-    @field_validator("ratios")
+    @field_validator("ratios", check_fields=False)
     @classmethod
     def _ratios(cls, v):
         for r in v:
             if not r > 1:
                 raise ValueError(f"compression ratio must be > 1, got {r}")
         return v
+
+
+class EvalConfig(RunConfig):
+    """Everything that decides the results of an accuracy sweep (the shard excepted)."""
+
+    tasks: list[str]
+    budgets: list[int] = Field(default_factory=list)
+    ratios: list[float] = Field(default_factory=list)
+    seeds: list[int] = Field(default_factory=lambda: [0])
+    limit: int | None = None
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 0.95
+    top_k: int = 20
+    question_field: str | None = None
+    answer_field: str = "answer"
+    policy_options: dict = Field(default_factory=dict)
 
     def sizes(self) -> list[tuple[str, float]]:
         """The cache sizes of the grid: ('budget', tokens) and ('ratio', r) entries."""
