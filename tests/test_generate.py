@@ -156,3 +156,30 @@ def test_cli_bad_policy_and_budget():
 
 def test_cli_prompt_longer_than_context(embedded):
     assert "more than the model's context of 8192 tokens" in _cli(["generate", "word " * 9000])
+
+
+def test_load_model_from_local_folder(embedded, tmp_path):
+    """A local Qwen3 checkpoint folder (config + weights + tokenizer) loads through the same path as a hub id."""
+    from vase.models import load_model
+
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path)
+    embedded.tokenizer.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32", device="cpu", attn="eager")
+    assert lm.model.config.model_type == "qwen3" and lm.model.config._attn_implementation == "eager"
+    assert lm.tokenizer.padding_side == "left" and lm.tokenizer.pad_token is not None
+    ref = model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
+    out = lm.model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
+    assert torch.equal(ref, out)
+
+
+def test_model_load_errors(tmp_path):
+    from vase.models import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match="flash_attention_2 needs a CUDA device"):
+        load_model("smollm2", device="cpu", attn="flash_attention_2")
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load_model("smollm2", dtype="float8")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json and 0 .gguf files"):
+        load_model(str(tmp_path / "empty"))
