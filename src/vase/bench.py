@@ -148,7 +148,6 @@ def run_bench(
     model: str | None = None,
     device: str = "auto",
     prompt: str = DEFAULT_PROMPT,
-    echo=print,
 ) -> dict:
     """Run every configuration in its own subprocess, write ``bench.json`` and ``BENCH.md`` into ``out``.
 
@@ -162,11 +161,14 @@ def run_bench(
         previous = {}
     results = previous.get("runs", [])
     done = {(r["policy"], r["budget"]) for r in results}
+    from tqdm.auto import tqdm
+
     configs = [("full", None)] + [(p, b) for b in budgets for p in policies if p != "full"]
-    for i, (policy, budget) in enumerate(configs):
+    bar = tqdm(total=len(configs), initial=len(done & set(configs)), desc="bench", unit="config", dynamic_ncols=True)
+    for policy, budget in configs:
         if (policy, budget) in done:
             continue
-        echo(f"[vase bench] {i + 1}/{len(configs)}: {policy}" + (f" budget {budget}" if budget else ""))
+        bar.set_postfix_str(f"{policy}" + (f" budget {budget}" if budget else ""))
         args = {
             "policy": policy,
             "budget": budget or 0,
@@ -187,6 +189,8 @@ def run_bench(
             raise RuntimeError(f"benchmark worker failed for {policy} {budget}: {proc.stderr.strip()[-2000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         path.write_text(json.dumps({"marks": marks, "buffer": buffer, "runs": results}, indent=1))
+        bar.update(1)
+    bar.close()
     data = {"marks": marks, "buffer": buffer, "runs": results}
     (out / "BENCH.md").write_text(bench_markdown(data))
     return data

@@ -409,7 +409,6 @@ def bench(
         buffer=buffer,
         model=model,
         device=device,
-        echo=lambda m: typer.echo(m, err=True),
     )
     typer.echo((out / "BENCH.md").read_text())
 
