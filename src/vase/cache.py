@@ -166,8 +166,10 @@ class _Step:
         ``kind`` 'bool': ``[B, 1, q, kv_len]`` (sdpa); 'additive': same shape, 0 / dtype-min (eager);
         'padding': ``[B, kv_len]`` int (flash-attention). None when no mask is needed.
         """
-        if self.uniform and (self.append or (self.p_old == 0 and kind != "additive")):
-            return None  # eager has no causal flag: it always gets a mask for several new tokens
+        if self.uniform and (self.append or kind == "padding" or (self.p_old == 0 and kind == "bool")):
+            # No mask needed: one new token sees every slot; flash-attention aligns causality bottom-right; sdpa's
+            # is_causal is right when there is no past. Eager has no causal flag: it gets a mask for several tokens.
+            return None
         key = (kind, dtype)
         if key in self._memo:
             return self._memo[key]
