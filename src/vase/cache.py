@@ -535,6 +535,7 @@ class EvictingLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ Cache protocol
     def get_seq_length(self) -> int:
+        """Logical length (tokens seen), shared by all layers."""
         return self.cache.get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -545,6 +546,7 @@ class EvictingLayer(CacheLayerMixin):
         return self.capacity if self.is_initialized else -1
 
     def reset(self) -> None:
+        """Drop the buffers; the next update allocates them again."""
         self.keys = self.values = self.positions = None
         self.state, self.row_memo = {}, {}
         self.queries = self.query_positions = self.query_valid = None

@@ -84,10 +84,12 @@ class EvalConfig(RunConfig):
 
 
 def unit_key(task: str, problem_id: str, policy: str, size: tuple[str, float], seed: int) -> str:
+    """The identity of a work unit (one completion), as stored records are matched on resume."""
     return f"{task}|{problem_id}|{policy}|{size[0]}={size[1]:g}|{seed}"
 
 
 def record_key(rec: dict) -> str:
+    """:func:`unit_key` of a stored record."""
     size = ("ratio", rec["ratio"]) if rec.get("ratio") is not None else ("budget", rec["budget"])
     return unit_key(rec["task"], rec["problem_id"], rec["policy"], size, rec["seed"])
 
@@ -110,6 +112,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 
 
 def records_path(out: Path, shard: tuple[int, int]) -> Path:
+    """The records file of a shard inside a results directory."""
     return out / (RECORDS if shard[1] == 1 else f"records.shard-{shard[0]}-of-{shard[1]}.jsonl")
 
 
@@ -172,6 +175,11 @@ def prepare_dir(out: Path, config: EvalConfig) -> None:
 
 
 def load_config(out: Path) -> EvalConfig:
+    """The :class:`EvalConfig` saved in a results directory.
+
+    Raises:
+        ValueError: if ``out`` has no ``config.json``.
+    """
     path = out / CONFIG_FILE
     if not path.exists():
         raise ValueError(f"{out} is not a vase results directory (no {CONFIG_FILE})")
@@ -192,6 +200,7 @@ def work_units(config: EvalConfig, problems: dict[str, list[Problem]]) -> list[t
 
 
 def shard_units(units: list[tuple], shard: tuple[int, int]) -> list[tuple]:
+    """Every N-th unit starting at I, for shard (I, N)."""
     i, n = shard
     return [u for j, u in enumerate(units) if j % n == i]
 

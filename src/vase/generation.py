@@ -82,6 +82,7 @@ class GenerationResult:
         return steps * rows / decode if decode > 0 else 0.0
 
     def stats_line(self) -> str:
+        """The one-line summary printed after ``vase generate``: tokens, evictions, KV slots and bytes, speed."""
         st = self.stats
         mib = 2.0**20
         prompt = sum(c.prompt_tokens for c in self.completions)

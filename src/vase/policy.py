@@ -53,6 +53,7 @@ class Policy:
 
     @property
     def evicts(self) -> bool:
+        """False for ``full``, which never evicts."""
         return self.scorer is not None
 
     @property
@@ -62,6 +63,7 @@ class Policy:
 
     @property
     def state_names(self) -> tuple[str, ...]:
+        """Per-slot state tensors the scorer keeps (H2O's accumulated attention)."""
         return self.scorer.state_names if self.scorer is not None else ()
 
     def select(self, ctx: EvictionContext, keep, kmax: int, forced) -> Selection:
@@ -69,6 +71,7 @@ class Policy:
         return select(self.scorer, self.selector, self.guard, ctx, keep, kmax, forced)
 
     def describe(self) -> str:
+        """One line: scorer + guard + selector."""
         if not self.evicts:
             return f"{self.name}: never evicts"
         parts = [self.scorer.describe()]

@@ -86,9 +86,11 @@ class Scorer:
     state_names: tuple[str, ...] = ()
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
+        """Scores ``[b, H, S]`` float32 for every slot of ``ctx`` (only candidates are used); higher = keep."""
         raise NotImplementedError
 
     def describe(self) -> str:
+        """One line for logs and ``Policy.describe``."""
         return type(self).__name__
 
 

@@ -84,6 +84,7 @@ class Selector:
     """Turns scores into sort keys: the candidates with the largest keys are kept."""
 
     def keys(self, scores: torch.Tensor, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
+        """Sort keys ``[b, H, S]`` float32 from scores ``[b, H, S]``; the largest keys are kept."""
         raise NotImplementedError
 
 

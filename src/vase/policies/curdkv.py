@@ -16,4 +16,9 @@ DEFAULTS = {"rank": 20}
 
 
 def build(**options) -> Policy:
+    """Build the policy with ``options`` over its defaults (see :func:`vase.make_policy`).
+
+    Raises:
+        ValueError: for an option the policy does not take, or an invalid value.
+    """
     return compose(NAME, SOURCE, KEEPS, partial(Leverage, fresh=False), DEFAULTS, options)

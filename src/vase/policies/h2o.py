@@ -15,4 +15,9 @@ DEFAULTS = {"window": 64}
 
 
 def build(**options) -> Policy:
+    """Build the policy with ``options`` over its defaults (see :func:`vase.make_policy`).
+
+    Raises:
+        ValueError: for an option the policy does not take, or an invalid value.
+    """
     return compose(NAME, SOURCE, KEEPS, AccumulatedAttention, DEFAULTS, options)

@@ -13,4 +13,9 @@ DEFAULTS: dict = {}
 
 
 def build(**options) -> Policy:
+    """Build the policy with ``options`` over its defaults (see :func:`vase.make_policy`).
+
+    Raises:
+        ValueError: for an option the policy does not take, or an invalid value.
+    """
     return compose(NAME, SOURCE, KEEPS, Recency, DEFAULTS, options)

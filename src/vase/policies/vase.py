@@ -16,6 +16,11 @@ DEFAULTS = {"window": 64, "kernel": 5, "pool": "avg"}
 
 
 def build(**options) -> Policy:
+    """Build the policy with ``options`` over its defaults (see :func:`vase.make_policy`).
+
+    Raises:
+        ValueError: for an option the policy does not take, or an invalid value.
+    """
     return compose(
         NAME,
         SOURCE,
