@@ -368,3 +368,27 @@ def test_compression_ratio_helper():
     assert budget_for_ratio(4.0, 4096) == 1024
     with pytest.raises(ValueError, match="compression ratio must be > 1"):
         budget_for_ratio(1.0, 4096)
+
+
+def test_policy_specs_are_ablations():
+    """'name:key=value' specs build the paper's ablations as configurations of the same parts."""
+    from vase.policies import parse_policy_spec
+    from vase.selection import Sample, TopK
+
+    assert parse_policy_spec("snapkv:selector=sample:protect_share=0.1:guard=none") == (
+        "snapkv",
+        {"selector": "sample", "protect_share": 0.1, "guard": None},
+    )
+    sampling_only = vase.make_policy("vase:guard=none")
+    assert sampling_only.guard is None and isinstance(sampling_only.selector, Sample)
+    guard_only = vase.make_policy("snapkv:guard=range")
+    assert guard_only.guard.metric == "range" and isinstance(guard_only.selector, TopK)
+    assert vase.make_policy("vase:guard=random").guard.metric == "random"
+    assert vase.make_policy("snapkv:guard=range:guard_mode=evict").guard.mode == "evict"
+    with pytest.raises(ValueError, match="expected name:key=value"):
+        vase.make_policy("vase:guard")
+    model = tiny_model("llama")
+    ids = random_ids(40)
+    a = greedy(model, ids, 30, vase.EvictingCache(model, policy="vase:guard=none", budget=24, buffer=8))
+    b = greedy(model, ids, 30, vase.EvictingCache(model, policy="vase", guard=None, budget=24, buffer=8))
+    assert torch.equal(a, b)

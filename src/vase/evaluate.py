@@ -43,11 +43,10 @@ class RunConfig(BaseModel):
     @field_validator("policies")
     @classmethod
     def _known_policies(cls, v):
-        from .policies import POLICY_NAMES
+        from .policies import make_policy
 
-        bad = [p for p in v if p not in POLICY_NAMES]
-        if bad:
-            raise ValueError(f"unknown policy {bad[0]!r}; valid policies: {', '.join(POLICY_NAMES)}")
+        for spec in v:
+            make_policy(spec)  # raises with the list of valid names, or the bad option
         return v
 
     @field_validator("ratios", check_fields=False)
