@@ -121,11 +121,14 @@ def fidelity_section(records: list[dict], out: Path) -> list[str]:
 
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for p in policies:
-        if p == "full":
-            continue
+    markers = "os^vD<>pXh*P"
+    for i, p in enumerate(x for x in policies if x != "full"):
         pts = sorted((by[(p, s)] for s in sizes if (p, s) in by), key=lambda r: r["compression"])
-        style = dict(marker="o", linewidth=2.5 if p.startswith("vase") else 1.2)
+        style = dict(
+            marker=markers[i % len(markers)],
+            linewidth=2.5 if p.startswith("vase") else 1.2,
+            color=plt.get_cmap("tab20")(i % 20),
+        )
         ax1.plot([r["compression"] for r in pts], [r["kl"] for r in pts], label=p, **style)
         ax2.plot([r["compression"] for r in pts], [r["top1"] for r in pts], label=p, **style)
     ax1.set(
