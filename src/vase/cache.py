@@ -7,7 +7,8 @@ Bookkeeping, shared by all layers because every layer sees the same tokens on th
 
 * the *logical* length (tokens seen, padding columns included) drives RoPE positions and ``get_seq_length``;
 * the *physical* fill of each row (slots holding real tokens, packed at the front in position order);
-* each slot remembers the logical position of its token (per layer and KV head, since heads keep different tokens).
+* each slot remembers the logical position of its token, its index among the real tokens of its row (per layer and
+  KV head, since heads keep different tokens).
 
 Schedule. A decode step writes its token in place at the row's fill. After the attention of that step, a row whose
 fill reached ``budget + buffer`` is compacted in place back to ``budget``: its first ``sinks`` tokens and its last
@@ -202,7 +203,7 @@ class EvictingLayer(CacheLayerMixin):
         keys, values: ``[B, kv_heads, capacity, head_dim]`` model dtype.
         positions: ``[B, kv_heads, capacity]`` int64 logical position of each slot.
         queries: ``[B, q_heads, window, head_dim]`` ring of the last ``window`` post-RoPE queries (if the policy
-            needs them), with ``query_positions`` ``[window]`` and ``query_valid`` ``[B, window]``.
+            needs them), with ``query_positions`` and ``query_valid`` ``[B, window]``.
     """
 
     is_compileable = False
