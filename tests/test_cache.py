@@ -392,3 +392,28 @@ def test_policy_specs_are_ablations():
     a = greedy(model, ids, 30, vase.EvictingCache(model, policy="vase:guard=none", budget=24, buffer=8))
     b = greedy(model, ids, 30, vase.EvictingCache(model, policy="vase", guard=None, budget=24, buffer=8))
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_device_sync_in_decode_path_on_gpu():
+    """The cache's decode path (update, query saving, eviction) never synchronizes with the GPU."""
+    model = tiny_model("llama").cuda()
+    cache = vase.EvictingCache(model, policy="vase", budget=32, buffer=8)
+    layer = cache.layers[0]
+    cache.num_layers = 1  # drive one layer by hand
+    k = torch.randn(1, 2, 40, 16, device="cuda")
+    layer.update(k, k)
+    layer.record_queries(torch.randn(1, 4, 40, 16, device="cuda"), 0.25)
+    layer.after_attention()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(40):  # 5 evictions
+            k1 = torch.randn(1, 2, 1, 16, device="cuda")
+            keys, _ = layer.update(k1, k1)
+            layer.record_queries(torch.randn(1, 4, 1, 16, device="cuda"), 0.25)
+            layer.after_attention()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cache.stats().evictions >= 4
