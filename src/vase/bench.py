@@ -200,6 +200,18 @@ def _goal(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: list[str]) -> list[str]:
+    return [_row(header), "|" + "---|" * len(header)]
+
+
+def _num(x: float, digits: int) -> str:
+    return "—" if x != x else f"{x:.{digits}f}"  # NaN (no reference run) shows as a dash
+
+
 def bench_markdown(data: dict) -> str:
     """Tables (speed, memory, eviction share, ratios) and the goals, as markdown."""
     runs = data["runs"]
@@ -207,16 +219,34 @@ def bench_markdown(data: dict) -> str:
     full = next((r for r in runs if r["policy"] == "full"), None)
     by = {(r["policy"], r["budget"]): r for r in runs}
     first = runs[0]
-    lines = [
+    intro = (
         f"Model {first['model']} on {first['device']} ({first['threads']} threads), prompt {first['prompt_tokens']} "
         f"tokens, buffer {data['buffer']}; greedy, end-of-sequence ignored. Speed columns: decode tokens/s over the "
-        f"bucket ending at that length; 'at N' = over the last 512 tokens before N.",
-        "",
-        "| policy | budget | " + " | ".join(f"tok/s ≤{m}" for m in marks) + f" | tok/s at {marks[-1]} | "
-        f"KV MiB at {marks[0]} | KV MiB at {marks[-1]} | peak RSS MiB at {marks[0]} | at {marks[-1]} | RSS growth | "
-        "eviction share | × full at " + str(marks[-1]) + " | × streaming_llm |",
-        "|---" * (len(marks) + 10) + "|",
-    ]
+        f"bucket ending at that length; 'at N' = over the last 512 tokens before N. Eviction share: seconds in "
+        f"eviction / decode seconds, whole run."
+    )
+    speed = _table(
+        [
+            "policy",
+            "budget",
+            *(f"tok/s ≤{m}" for m in marks),
+            f"tok/s at {marks[-1]}",
+            f"× full at {marks[-1]}",
+            f"× streaming_llm ≤{marks[-1]}",
+            "eviction share",
+        ]
+    )
+    memory = _table(
+        [
+            "policy",
+            "budget",
+            f"KV MiB at {marks[0]}",
+            f"KV MiB at {marks[-1]}",
+            f"peak RSS MiB at {marks[0]}",
+            f"peak RSS MiB at {marks[-1]}",
+            "RSS growth",
+        ]
+    )
     summary = {}
     for r in runs:
         m = r["marks"]
@@ -229,13 +259,22 @@ def bench_markdown(data: dict) -> str:
         summary[(r["policy"], r["budget"])] = dict(
             growth=growth, share=share, vs_full=vs_full, vs_st=vs_st, kv_flat=m[0]["kv_bytes"] == last["kv_bytes"]
         )
-        lines.append(
-            f"| {r['policy']} | {r['budget'] or '—'} | "
-            + " | ".join(f"{x['tok_s_bucket']:.1f}" for x in m)
-            + f" | {last['tok_s_last']:.1f} | {m[0]['kv_bytes'] / MIB:.1f} | {last['kv_bytes'] / MIB:.1f} | "
-            f"{m[0]['peak_rss'] / MIB:.0f} | {last['peak_rss'] / MIB:.0f} | {100 * growth:+.1f}% | "
-            f"{100 * share:.1f}% | {vs_full:.2f} | {vs_st:.3f} |"
+        name = [r["policy"], str(r["budget"] or "—")]
+        speed.append(
+            _row(
+                name
+                + [f"{x['tok_s_bucket']:.1f}" for x in m]
+                + [f"{last['tok_s_last']:.1f}", _num(vs_full, 2), _num(vs_st, 3), f"{100 * share:.1f}%"]
+            )
         )
+        memory.append(
+            _row(
+                name
+                + [f"{m[0]['kv_bytes'] / MIB:.1f}", f"{last['kv_bytes'] / MIB:.1f}", f"{m[0]['peak_rss'] / MIB:.0f}"]
+                + [f"{last['peak_rss'] / MIB:.0f}", f"{100 * growth:+.1f}%"]
+            )
+        )
+    lines = [intro, "", "Decode speed:", "", *speed, "", "Memory:", "", *memory]
     lines += ["", "Goals:", ""]
     evicting = [k for k in summary if k[0] != "full"]
     vase = [k for k in summary if k[0] == "vase"]
