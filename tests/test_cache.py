@@ -417,3 +417,46 @@ def test_no_host_device_sync_in_decode_path_on_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert cache.stats().evictions >= 4
+
+
+def test_rkv_redundancy_equals_direct_computation():
+    """R-KV's suffix-sum redundancy equals the mean cosine similarity to later valid keys, computed densely."""
+    import torch.nn.functional as F
+
+    from vase.scoring import EvictionContext, RedundancyAware
+
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 3, 12, 8
+    keys = torch.randn(b, h, s, d, generator=g)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[0, :3] = False  # left padding
+    valid[1, 9:] = False  # free slots at the end
+    valid[1, 5] = False  # a hole
+    positions = (valid.long().cumsum(-1) - 1).clamp_min(0).unsqueeze(1).expand(b, h, s)
+    queries = torch.randn(b, 6, 4, d, generator=g)
+    ctx = EvictionContext(
+        keys=keys,
+        values=torch.randn(b, h, s, d, generator=g),
+        positions=positions,
+        valid=valid,
+        candidates=valid.clone(),
+        queries=queries,
+        query_positions=torch.arange(20, 24).expand(b, 4),
+        query_valid=torch.ones(b, 4, dtype=torch.bool),
+        scaling=d**-0.5,
+        layer_idx=0,
+        budget=6,
+        row_keys=torch.arange(b),
+        eviction_index=torch.zeros(b, dtype=torch.long),
+    )
+    lam = 0.1
+    scorer = RedundancyAware(window=4, kernel=3, lam=lam)
+    got = scorer.score(ctx)
+    importance = scorer._importance.score(ctx)
+    kn = F.normalize(keys, dim=-1)
+    sim = kn @ kn.transpose(-1, -2)
+    later = (torch.arange(s).view(s, 1) < torch.arange(s).view(1, s)) & valid.view(b, 1, 1, s)
+    red = (sim * later).sum(-1) / later.sum(-1).clamp_min(1)
+    red = torch.softmax(red.masked_fill(~valid.unsqueeze(1), float("-inf")), dim=-1)
+    want = lam * importance - (1 - lam) * red
+    assert torch.allclose(got[valid.unsqueeze(1).expand_as(got)], want[valid.unsqueeze(1).expand_as(want)], atol=1e-6)

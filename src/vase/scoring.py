@@ -273,12 +273,15 @@ class RedundancyAware(Scorer):
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         importance = self._importance.score(ctx)
-        kn = F.normalize(ctx.keys.float(), dim=-1)
-        sim = torch.matmul(kn, kn.transpose(-1, -2))  # [b,H,S,S]
-        pos = ctx.positions
-        later = (pos.unsqueeze(-1) < pos.unsqueeze(-2)) & ctx.valid.view(ctx.valid.shape[0], 1, 1, -1)
-        n_later = later.sum(-1).clamp_min(1)
-        red = (sim * later).sum(-1) / n_later
+        # Valid slots are in increasing position order, so "later" means "at a higher slot": the sum of the cosine
+        # similarities to the later keys is k_i . (sum of the later normalised keys), a suffix sum over the slots.
+        # O(S * D) instead of materialising the [b, H, S, S] similarity matrix.
+        kn = F.normalize(ctx.keys.float(), dim=-1) * ctx.valid[:, None, :, None]
+        suffix = kn.flip(-2).cumsum(-2).flip(-2)  # [b,H,S,D]: sum over slots >= i
+        later_sum = F.pad(suffix[..., 1:, :], (0, 0, 0, 1))  # sum over slots > i
+        valid = ctx.valid.float()
+        n_later = F.pad(valid.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).clamp_min(1)  # [b,S]
+        red = (kn * later_sum).sum(-1) / n_later.unsqueeze(1)
         red = red.masked_fill(~ctx.valid.unsqueeze(1), float("-inf"))
         red = torch.softmax(red, dim=-1).nan_to_num_(0.0)
         return self.lam * importance - (1.0 - self.lam) * red
