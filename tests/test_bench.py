@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vase.bench import bench_markdown, decode_run, rss_bytes
+import pytest
 
-from .conftest import random_ids, tiny_model
+from vase.bench import bench_markdown, decode_run, paired_markdown, paired_speed, rss_bytes
+
+from .conftest import random_ids, tiny_lm, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,3 +118,16 @@ def test_cli_bench_end_to_end(embedded, tmp_path):
     assert "| vase | 24 |" in proc.stdout and "Goals:" in proc.stdout
     vase_run = data["runs"][2]["marks"]
     assert vase_run[0]["kv_bytes"] == vase_run[1]["kv_bytes"] == 30 * 2 * 3 * 32 * 64 * 4
+
+
+def test_paired_speed_interleaves_policies():
+    lm = tiny_lm("llama")
+    res = paired_speed(lm, ["full", "streaming_llm", "vase"], budget=24, buffer=8, context=40, steps=20, progress=False)
+    assert [r["policy"] for r in res["runs"]] == ["full", "streaming_llm", "vase"]
+    assert res["runs"][0]["vs_first"] == 1.0 and all(r["tok_s"] > 0 for r in res["runs"])
+    lo, hi = res["runs"][2]["block_tok_s"]
+    assert 0 < lo <= hi
+    table = paired_markdown(res)
+    assert "| vase |" in table and "× full" in table
+    with pytest.raises(ValueError, match="context >= budget \\+ buffer"):
+        paired_speed(lm, ["vase"], budget=24, buffer=8, context=20, steps=4, progress=False)

@@ -121,6 +121,106 @@ def decode_run(
     }
 
 
+@torch.inference_mode()
+def paired_speed(
+    lm,
+    policies: list[str],
+    budget: int = 1024,
+    buffer: int = 64,
+    context: int = 8192,
+    steps: int = 512,
+    prompt: str = DEFAULT_PROMPT,
+    progress: bool = True,
+) -> dict:
+    """Decode speed of several caches measured in one process, interleaved, at the same context length.
+
+    Each policy (``"full"`` = ``DynamicCache``) gets its own cache, prefilled with the same ``context``-token
+    prompt (the chat prompt repeated), then they take turns: ``buffer`` decode steps each (one full eviction cycle),
+    in rotating order, until each has decoded ``steps`` tokens. A slow spell of the machine hits every policy
+    alike, which sequential runs cannot guarantee on a shared machine.
+
+    Args:
+        lm: a loaded model (:func:`vase.models.load_model`).
+        policies: policy names; the first is the reference of the ratios.
+        budget, buffer: cache sizes in tokens for the evicting policies.
+        context: prompt length in tokens (the full cache decodes at ``context`` to ``context + steps``).
+        steps: decode steps per policy (a multiple of ``buffer`` measures whole eviction cycles).
+
+    Returns:
+        ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
+        "vs_first"}]}``; tokens/s = steps / total seconds of that policy's blocks.
+
+    Raises:
+        ValueError: for ``steps`` < 1 or a ``context`` shorter than ``budget + buffer``.
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from .cache import EvictingCache
+    from .generation import encode_prompts
+
+    if steps < 1 or context < budget + buffer:
+        raise ValueError(f"need steps >= 1 and context >= budget + buffer; got steps {steps}, context {context}")
+    base = encode_prompts(lm.tokenizer, [prompt])["input_ids"]
+    ids = base.repeat(1, context // base.shape[1] + 1)[:, :context].to(lm.device)
+    states = []
+    for policy in policies:
+        cache = (
+            DynamicCache(config=lm.model.config)
+            if policy == "full"
+            else EvictingCache(lm.model, policy=policy, budget=budget, buffer=buffer)
+        )
+        nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+        states.append({"policy": policy, "cache": cache, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []})
+    bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)
+    turn = 0
+    while any(s["done"] < steps for s in states):
+        k = turn % len(states)
+        for s in states[k:] + states[:k]:  # rotate who goes first
+            n = min(buffer, steps - s["done"])
+            if n <= 0:
+                continue
+            _sync(lm.device)
+            t0 = time.perf_counter()
+            nxt = s["next"]
+            for _ in range(n):
+                nxt = lm.model(input_ids=nxt, cache=s["cache"]).logits[:, -1:].argmax(-1)
+            _sync(lm.device)
+            dt = time.perf_counter() - t0
+            s["next"], s["done"], s["seconds"] = nxt, s["done"] + n, s["seconds"] + dt
+            s["blocks"].append(n / dt)
+            bar.update(n)
+        turn += 1
+    bar.close()
+    first = steps / states[0]["seconds"]
+    runs = [
+        {
+            "policy": s["policy"],
+            "tok_s": steps / s["seconds"],
+            "block_tok_s": [min(s["blocks"]), max(s["blocks"])],
+            "vs_first": steps / s["seconds"] / first,
+        }
+        for s in states
+    ]
+    return {"context": context, "steps": steps, "budget": budget, "buffer": buffer, "runs": runs}
+
+
+def paired_markdown(res: dict) -> str:
+    """The result of :func:`paired_speed` as a markdown table."""
+    ref = res["runs"][0]["policy"]
+    lines = [
+        f"Interleaved decode from {res['context']} to {res['context'] + res['steps']} tokens of context, "
+        f"{res['steps']} steps per policy in turns of {res['buffer']}; budget {res['budget']} + buffer "
+        f"{res['buffer']}:",
+        "",
+        *_table(["policy", "tok/s", "slowest / fastest turn (tok/s)", f"× {ref}"]),
+    ]
+    for r in res["runs"]:
+        lo, hi = r["block_tok_s"]
+        lines.append(_row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}"]))
+    return "\n".join(lines) + "\n"
+
+
 def worker(args: dict) -> dict:
     """One configuration in this process (called in a subprocess by :func:`run_bench`)."""
     from .generation import encode_prompts

@@ -387,13 +387,35 @@ def bench(
     buffer: int = BufferOpt,
     profile: bool = typer.Option(False, "--profile", help="only profile the eviction steps of vase and exit"),
     profile_budget: int = typer.Option(1024, "--profile-budget"),
+    paired: bool = typer.Option(
+        False, "--paired", help="interleave the policies' decode steps in one process at one context length; exit"
+    ),
+    paired_budget: int = typer.Option(1024, "--paired-budget", help="budget of the evicting policies with --paired"),
+    context: int = typer.Option(8192, help="with --paired: prompt length in tokens"),
+    steps: int = typer.Option(512, help="with --paired: decode steps per policy"),
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
 ):
     """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
-    from .bench import profile_eviction, run_bench
+    from .bench import paired_markdown, paired_speed, profile_eviction, run_bench
 
     _threads()
+    if paired:
+        import json
+
+        import torch
+
+        from .models import load_model
+
+        lm = load_model(model, device=device)
+        res = paired_speed(lm, _csv(policies), budget=paired_budget, buffer=buffer, context=context, steps=steps)
+        res.update(model=lm.name, device=str(lm.device), threads=torch.get_num_threads())
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "paired.json").write_text(json.dumps(res, indent=1))
+        (out / "PAIRED.md").write_text(paired_markdown(res))
+        typer.echo(paired_markdown(res))
+        typer.echo(f"[vase] written {out / 'paired.json'} and {out / 'PAIRED.md'}")
+        return
     if profile:
         from .models import load_model
 
