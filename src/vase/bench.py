@@ -54,6 +54,26 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _make_cache(model, policy: str, budget: int, buffer: int):
+    """transformers' ``DynamicCache`` for ``policy == "full"`` (what a user runs without vase), else an
+    :class:`~vase.EvictingCache`."""
+    from transformers import DynamicCache
+
+    from .cache import EvictingCache
+
+    if policy == "full":
+        return DynamicCache(config=model.config)
+    return EvictingCache(model, policy=policy, budget=budget, buffer=buffer)
+
+
+def _repeated_prompt(lm, prompt: str, length: int) -> torch.Tensor:
+    """``[1, length]`` token ids: the chat-templated ``prompt`` repeated, on the model's device."""
+    from .generation import encode_prompts
+
+    base = encode_prompts(lm.tokenizer, [prompt])["input_ids"]
+    return base.repeat(1, length // base.shape[1] + 1)[:, :length].to(lm.device)
+
+
 @torch.inference_mode()
 def decode_run(
     model,
@@ -67,15 +87,8 @@ def decode_run(
 ) -> dict:
     """Greedy decode ``tokens`` new tokens (EOS ignored) and measure at each mark. ``policy='full'`` uses
     ``transformers.DynamicCache``. Returns a dict with ``marks`` rows and totals; times in seconds."""
-    from transformers import DynamicCache
-
-    from .cache import EvictingCache
-
     device = input_ids.device
-    if policy == "full":
-        cache = DynamicCache(config=model.config)
-    else:
-        cache = EvictingCache(model, policy=policy, budget=budget, buffer=buffer)
+    cache = _make_cache(model, policy, budget, buffer)
     t0 = time.perf_counter()
     logits = model(input_ids=input_ids, cache=cache).logits[:, -1:]
     _sync(device)
@@ -154,22 +167,13 @@ def paired_speed(
         ValueError: for ``steps`` < 1 or a ``context`` shorter than ``budget + buffer``.
     """
     from tqdm.auto import tqdm
-    from transformers import DynamicCache
-
-    from .cache import EvictingCache
-    from .generation import encode_prompts
 
     if steps < 1 or context < budget + buffer:
         raise ValueError(f"need steps >= 1 and context >= budget + buffer; got steps {steps}, context {context}")
-    base = encode_prompts(lm.tokenizer, [prompt])["input_ids"]
-    ids = base.repeat(1, context // base.shape[1] + 1)[:, :context].to(lm.device)
+    ids = _repeated_prompt(lm, prompt, context)
     states = []
     for policy in policies:
-        cache = (
-            DynamicCache(config=lm.model.config)
-            if policy == "full"
-            else EvictingCache(lm.model, policy=policy, budget=budget, buffer=buffer)
-        )
+        cache = _make_cache(lm.model, policy, budget, buffer)
         nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
         states.append({"policy": policy, "cache": cache, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []})
     bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)
@@ -406,13 +410,8 @@ def profile_eviction(
     """Profile the eviction steps of a decode run: time per component (milliseconds per eviction, all layers)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .cache import EvictingCache
-    from .generation import encode_prompts
-
-    ids = encode_prompts(lm.tokenizer, [prompt])["input_ids"]
-    reps = (budget + buffer) // ids.shape[1] + 1
-    ids = ids.repeat(1, reps).to(lm.device)  # longer than budget + buffer: compressed at prefill, steady state at once
-    cache = EvictingCache(lm.model, policy=policy, budget=budget, buffer=buffer)
+    ids = _repeated_prompt(lm, prompt, budget + buffer + 1)  # compressed at prefill: steady state at once
+    cache = _make_cache(lm.model, policy, budget, buffer)
     model = lm.model
     nxt = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
     steps = evictions * buffer

@@ -400,14 +400,15 @@ def bench(
     from .bench import paired_markdown, paired_speed, profile_eviction, run_bench
 
     _threads()
+    if paired or profile:
+        from .models import load_model
+
+        lm = load_model(model, device=device)
     if paired:
         import json
 
         import torch
 
-        from .models import load_model
-
-        lm = load_model(model, device=device)
         res = paired_speed(lm, _csv(policies), budget=paired_budget, buffer=buffer, context=context, steps=steps)
         res.update(model=lm.name, device=str(lm.device), threads=torch.get_num_threads())
         out.mkdir(parents=True, exist_ok=True)
@@ -417,9 +418,6 @@ def bench(
         typer.echo(f"[vase] written {out / 'paired.json'} and {out / 'PAIRED.md'}")
         return
     if profile:
-        from .models import load_model
-
-        lm = load_model(model, device=device)
         for policy in _csv(policies) or ["vase"]:
             typer.echo(profile_eviction(lm, policy=policy, budget=profile_budget, buffer=buffer))
         return
