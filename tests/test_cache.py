@@ -150,7 +150,7 @@ def _direct_window_scores(ev, group, kernel=5):
         for g in range(group):
             qh = q[h * group + g]
             acc = torch.zeros(S, dtype=torch.float64)
-            n = 0
+            seen = torch.zeros(S, dtype=torch.float64)  # causal mean: each slot over the queries that can see it
             for w in range(qh.shape[0]):
                 if not qvalid[w]:
                     continue
@@ -158,8 +158,8 @@ def _direct_window_scores(ev, group, kernel=5):
                 logits = (k[h] @ qh[w]) * ev["scaling"]
                 logits[~allowed] = float("-inf")
                 acc += torch.softmax(logits, 0)
-                n += 1
-            mean = acc / max(n, 1)
+                seen += (pos[h] <= qpos[w]).double()
+            mean = acc / seen.clamp_min(1)
             pooled = torch.nn.functional.avg_pool1d(mean.view(1, 1, S), kernel, 1, kernel // 2).view(S)
             per_head.append(pooled)
         out[h] = torch.stack(per_head).mean(0)
@@ -271,7 +271,8 @@ def test_prompt_longer_than_budget_is_compressed_at_prefill():
     dense = vase.EvictingCache(model, policy="vase", budget=32, buffer=8, compress_prompt=False)
     with torch.no_grad():
         out = model(input_ids=ids, cache=dense)
-    assert dense.fill == [100] and dense.layers[0].keys.shape[2] == 108
+    # dense: first eviction at the first multiple of the buffer above the prompt (104), as the reference code
+    assert dense.fill == [100] and dense.layers[0].keys.shape[2] == 104
     ref = model(input_ids=ids).logits
     assert torch.allclose(out.logits, ref, atol=1e-5)
 
@@ -319,8 +320,17 @@ def test_flash_attention_2_on_gpu():
         (dict(budget=256, protect_share=1.0), "protected share"),
         (dict(budget=256, protect_share=-0.1), "protected share"),
         (dict(policy="lru"), "valid policies: full, streaming_llm"),
-        (dict(temperature=0.0), "temperature must be > 0"),
-        (dict(policy="streaming_llm", temperature=-1.0), "temperature must be > 0"),
+        (dict(sampling_temperature=0.0), "sampling_temperature must be > 0"),
+        (dict(policy="streaming_llm", sampling_temperature=-1.0), "sampling_temperature must be > 0"),
+        (dict(temperature=0.5), "'temperature' is ambiguous: use sampling_temperature .* or attention_temperature"),
+        (dict(attention_temperature=0.0), "attention_temperature must be > 0"),
+        (dict(policy="vase:preset=paper", budget=100), r"multiple of the buffer \(64\); got 100: use 128"),
+        (dict(policy="vase:preset=paper", budget=200), r"got 200: use 192 or 256"),
+        (dict(policy="vase:preset=paper", budget=256, window=32), "window must equal the buffer"),
+        (dict(policy="vase:preset=papr"), "unknown preset 'papr'"),
+        (dict(policy="vase:pool_order=slot"), "pool_order='slot' .* needs pool_edge='zero'"),
+        (dict(policy="vase:guard_sinks=both"), "guard_sinks must be one of outside, inside"),
+        (dict(policy="vase_dkv:projection=layer"), "projection must be 'head'"),
         (dict(policy="tova", kernel=3), "does not take option"),
         (dict(window=0), "window must be"),
         (dict(seed="x"), "seed must be"),

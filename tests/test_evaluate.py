@@ -10,7 +10,7 @@ import torch
 import vase.generation
 from vase.data import DataError, load_problems
 from vase.evaluate import EvalConfig, merge, read_records, record_key, run_sweep, summarize
-from vase.fidelity import compare, replay, schedule
+from vase.fidelity import compare, replay
 from vase.magnitudes import magnitude_table
 from vase.report import write_report
 
@@ -59,6 +59,8 @@ def test_sweep_records_and_resume_after_interrupt(tmp_path, task_file, monkeypat
         "new_tokens",
         "evictions",
         "loop",
+        "paper_loop",
+        "finished",
         "seconds",
         "kv_bytes",
         "kv_bytes_full",
@@ -176,7 +178,6 @@ def test_chunked_replay_equals_token_by_token_decode():
     model = tiny_model("qwen3")
     ids = random_ids(100, seed=4)
     prompt, cont = ids[0, :15], ids[0, 15:]
-    assert schedule(15, 84, 24, 8) == [17] + [8] * 8 + [3]
     for policy in ("vase", "h2o", "rkv"):
         fast = replay(model, prompt, cont, policy, 24, 8)
         cache = vase.EvictingCache(model, policy=policy, budget=24, buffer=8)
@@ -187,6 +188,71 @@ def test_chunked_replay_equals_token_by_token_decode():
             for t in cont[:-1]:
                 slow.append(torch.log_softmax(model(input_ids=t.view(1, 1), cache=cache).logits[0].float(), -1))
         assert torch.allclose(fast, torch.cat(slow), atol=1e-4)
+        assert cache.stats().evictions == 9  # first at 15 + 17 = 32 = budget + buffer, then every 8 tokens
+
+
+def test_replay_chunks_follow_the_cache_schedule():
+    """The replay asks the cache where the next eviction is: a dense prompt longer than the budget first evicts at
+    the first multiple of the buffer above it (the reference schedule), a compressed one at budget + buffer."""
+    import vase
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        # (compress, prompt, fill after prefill, fill at the first eviction)
+        for compress, prompt_len, fill, limit in (
+            (True, 40, 24, 32),
+            (True, 30, 30, 32),
+            (False, 40, 40, 48),
+            (False, 30, 30, 32),
+            (False, 10, 10, 32),
+        ):
+            cache = vase.EvictingCache(model, policy="vase", budget=24, buffer=8, compress_prompt=compress)
+            model(input_ids=random_ids(prompt_len), cache=cache)
+            assert cache.fill == [fill] and cache.fill[0] + cache.room()[0] == limit
+
+
+LOOP_TEXT = "So the answer is 18. " + "Let me check the eggs again: 16 - 7 = 9 eggs are left.\n" * 4 + "Let me"
+PROSE_TEXT = "We need to find the eggs sold. We need to subtract 3 and 4 from 16, and we need to multiply by 2. So"
+
+
+def eval_record(policy="vase", pid="a", correct=False, text=PROSE_TEXT, finished=False, **kw):
+    rec = dict(
+        task="gsm8k",
+        problem_id=pid,
+        policy=policy,
+        budget=128,
+        ratio=None,
+        seed=0,
+        correct=correct,
+        loop=False,
+        new_tokens=50,
+        kv_bytes=2**20,
+        kv_bytes_full=4 * 2**20,
+        text=text,
+        finished=finished,
+    )
+    rec.update(kw)
+    return rec
+
+
+def test_loop_flags_are_recomputed_from_the_text():
+    """Stored flags are ignored when the text is there (records of an older detector report the current one)."""
+    recs = [
+        eval_record(pid="a", text=LOOP_TEXT, loop=False),  # cut at the limit while looping: a loop
+        eval_record(pid="b", text=LOOP_TEXT, finished=True, loop=True),  # ended by itself: not a loop
+        eval_record(pid="c", text=PROSE_TEXT, loop=True),  # prose cut at the limit (the old flag said loop)
+        eval_record(pid="d", text="The answer is 18. " * 5, finished=True),  # paper regex: fires, finished or not
+    ]
+    (row,) = summarize(recs)
+    assert row["loop_rate"] == 25.0
+    assert row["paper_loop_rate"] == 25.0
+    assert row["limit_rate"] == 50.0
+    # without text: the stored flags; no paper flag stored -> no paper rate
+    bare = [{k: v for k, v in r.items() if k not in ("text", "finished")} for r in recs]
+    (row,) = summarize(bare)
+    assert row["loop_rate"] == 50.0 and row["paper_loop_rate"] is None and row["limit_rate"] is None
+    (row,) = summarize([dict(r, paper_loop=i == 0) for i, r in enumerate(bare)])
+    assert row["paper_loop_rate"] == 25.0
 
 
 def test_report_on_fixture(tmp_path):
@@ -195,22 +261,10 @@ def test_report_on_fixture(tmp_path):
     recs = []
     for policy, acc in (("full", [1, 1, 0]), ("vase", [1, 0, 0])):
         for pid, ok in zip("abc", acc):
-            recs.append(
-                dict(
-                    task="gsm8k",
-                    problem_id=pid,
-                    policy=policy,
-                    budget=128,
-                    ratio=None,
-                    seed=0,
-                    correct=bool(ok),
-                    loop=False,
-                    new_tokens=50,
-                    kv_bytes=2**20,
-                    kv_bytes_full=4 * 2**20,
-                    text="",
-                )
-            )
+            # the full cache's buffers grow in steps: it holds more than the dense bytes, and is still 1.00x
+            held = 5 * 2**20 if policy == "full" else 2**20
+            text = LOOP_TEXT if (policy, pid) == ("vase", "c") else PROSE_TEXT
+            recs.append(eval_record(policy, pid, bool(ok), text=text, kv_bytes=held))
     (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     fid = []
     for policy, kl in (("full", 0.0), ("vase", 0.01), ("snapkv", 0.02)):
@@ -231,13 +285,53 @@ def test_report_on_fixture(tmp_path):
             )
     (run / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fid))
     text = write_report(run, tmp_path / "out").read_text()
-    assert "| full | budget 128 | 66.7 ± 33.3 | 0.0 | 50 | 1.00 | 4.00 | 3 |" in text
-    assert "| vase | budget 128 | 33.3 ± 33.3 |" in text
+    assert "| full | budget 128 | 1.00x | 66.7 ± 33.3 | 0.0 | 0.0 | 100.0 | 50 | 5.00 | 4.00 | 3 |" in text
+    assert "| vase | budget 128 | 4.00x | 33.3 ± 33.3 | 33.3 | 0.0 | 100.0 | 50 | 1.00 | 4.00 | 3 |" in text
     assert "- 2x: **vase** (KL 0.0200), then snapkv (0.0400)" in text
     assert (tmp_path / "out" / "eval_gsm8k.png").stat().st_size > 1000
     assert (tmp_path / "out" / "fidelity.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="holds no records"):
         write_report(tmp_path / "out", tmp_path / "out")
+
+
+def test_report_axes_one_compression_and_no_degenerate_ranges():
+    """The plot's x for each policy is the table's compression (full at exactly 1); percentages span 0-100 even when
+    every value is equal (no -0.04..0.04 pass@1 axis)."""
+    import matplotlib.pyplot as plt
+
+    from vase.report import PERCENT_LIMITS, _flat_axis, compression, eval_figure
+
+    recs = [eval_record("full", p, kv_bytes=5 * 2**20) for p in "ab"]
+    recs += [eval_record("vase", p, kv_bytes=2**20, budget=b) for p in "ab" for b in (128, 256)]
+    recs += [eval_record("vase", p, kv_bytes=2 * 2**20, budget=256) for p in "ab"]
+    rows = summarize(recs)
+    assert [compression(r) for r in rows] == [1.0, 4.0, 8 / 3]  # budget 256: mean held 1.5 MiB
+    fig = eval_figure(rows, "gsm8k")
+    acc, loops = fig.axes
+    for ax in (acc, loops):
+        assert ax.get_ylim() == PERCENT_LIMITS  # all pass@1 and loop rates are 0
+        assert ax.get_xlim() == (0.0, 4.4)  # 0 to 1.1 x the largest compression
+    lines = {line.get_label(): list(line.get_xdata()) for line in loops.lines}
+    assert lines == {"full": [1.0], "vase": [8 / 3, 4.0]}
+    plt.close(fig)
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [100.0, 100.0])
+    _flat_axis(ax, [100.0, 100.0], lo=0.0, hi=100.0)  # e.g. top-1 agreement 100% everywhere
+    assert ax.get_ylim() == (98.0, 100.0)
+    _flat_axis(ax, [0.5, 0.5])
+    assert ax.get_ylim() == (-0.5, 1.5)
+    plt.close(fig)
+
+
+def test_inspect_writes_under_runs_by_default():
+    """`vase inspect` without --out writes into runs/inspect (ignored by git), not ./inspect of the working folder."""
+    import inspect as pyinspect
+    from pathlib import Path
+
+    from vase import cli
+
+    assert pyinspect.signature(cli.inspect).parameters["out"].default.default == Path("runs/inspect")
 
 
 def test_magnitude_table_finds_the_outlier():

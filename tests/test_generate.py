@@ -16,7 +16,7 @@ import vase
 from vase.cli import app
 from vase.generation import encode_prompts, generate
 
-from .conftest import TinyTokenizer, need_data, tiny_model
+from .conftest import TinyTokenizer, need_data, random_ids, tiny_model
 
 runner = CliRunner()
 STATS = re.compile(
@@ -27,6 +27,7 @@ STATS = re.compile(
 
 def test_cli_end_to_end_on_embedded_model(embedded, tmp_path):
     """A short real run with several evictions: exit 0, streamed text, a consistent stats line."""
+    new_tokens = 64  # with the prompt (~150 tokens) past budget + buffer: compactions at prefill and every 16 tokens
     args = [
         sys.executable,
         "-m",
@@ -37,9 +38,9 @@ def test_cli_end_to_end_on_embedded_model(embedded, tmp_path):
         "--buffer",
         "16",
         "-n",
-        "100",
+        str(new_tokens),
         "--min-new-tokens",
-        "100",
+        str(new_tokens),
     ]
     try:
         data = need_data("reasoning/gsm8k.jsonl")
@@ -52,9 +53,11 @@ def test_cli_end_to_end_on_embedded_model(embedded, tmp_path):
     m = STATS.search(proc.stdout)
     assert m, proc.stdout[-500:]
     prompt, new, policy, evictions, held, cap, budget, buffer = map(lambda x: x, m.groups()[:8])
-    assert policy == "vase" and int(new) == 100 and int(budget) == 48 and int(buffer) == 16
+    assert policy == "vase" and int(new) == new_tokens and int(budget) == 48 and int(buffer) == 16
     assert int(held) <= int(budget) + int(buffer) and int(cap) == 64
-    assert int(evictions) >= (int(prompt) + 100 - 64) // 16  # compactions every 16 tokens after the first
+    # a prompt of 64+ tokens is compacted at prefill; then every 16 decode forwards (the last token is not fed back)
+    first = max(0, 64 - int(prompt))  # decode forwards before the first compaction
+    assert int(evictions) == (int(prompt) >= 64) + (first > 0) + (new_tokens - 1 - first) // 16
     assert float(m.group(11)) > 1.5  # bytes: full / held
     assert len(proc.stdout.split("[vase]")[0].strip()) > 50  # the text itself was streamed
 
@@ -106,6 +109,61 @@ def test_python_api_batch_and_ratio():
         generate(model, TinyTokenizer(), "x", compression_ratio=0.5)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         generate(model, TinyTokenizer(), "  ")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_p=2.0), r"top_p must be in \(0, 1\] \(1 = off\), got 2.0"),
+        (dict(top_p=0.0, temperature=0.6), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), r"top_k must be an integer >= 0 \(0 = off\), got -1"),
+        (dict(temperature=-0.1), r"temperature must be >= 0 \(0 = greedy\), got -0.1"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+        (dict(max_new_tokens=4, min_new_tokens=5), r"min_new_tokens must be in \[0, max_new_tokens = 4\], got 5"),
+        (dict(budget=20, buffer=16), r"budget \(20\) must be larger than sinks \+ buffer \(4 \+ 16 = 20\)"),
+        (dict(budget=64, compression_ratio=2.0), "either a budget or a compression ratio"),
+        (dict(compression_ratio=1.0), "compression ratio must be > 1"),
+        (dict(window=0), "window must be a positive number of queries, got 0"),
+        (dict(sinks=-2), "sinks must be >= 0 tokens, got -2"),
+        (dict(policy="vase", protect_share=1.0), r"protected share must be in \[0, 1\), got 1.0"),
+        (dict(policy="lru"), "unknown policy 'lru'"),
+    ],
+)
+def test_python_api_checks_options_before_running(kwargs, message):
+    """vase.generation.generate refuses out-of-range options before tokenizing or running the model."""
+    model = tiny_model("llama")
+
+    def never(*args, **kw):
+        raise AssertionError("the model ran before the options were checked")
+
+    model.generate = never
+    with pytest.raises(ValueError, match=message):
+        generate(model, TinyTokenizer(), "a prompt", **kwargs)
+
+
+def test_cache_reused_for_a_new_prompt_says_reset():
+    """A filled cache given a new, shorter prompt: a ValueError naming reset(), not a reshape error in transformers.
+    Continuing the same sequence still works, and so does the cache after reset()."""
+    model = tiny_model("llama")
+    cache = vase.EvictingCache(model, budget=24, buffer=8)
+    short = random_ids(10, seed=2)
+    with torch.inference_mode():
+        out = model.generate(input_ids=random_ids(30), cache=cache, max_new_tokens=12, do_sample=False)
+        assert cache.get_seq_length() == 41 and cache.stats().evictions == 2
+        with pytest.raises(ValueError, match=r"already holds 41 tokens .*: call cache.reset\(\) or create a new"):
+            model.generate(input_ids=short, cache=cache, max_new_tokens=5, do_sample=False)
+        with pytest.raises(ValueError, match=r"attention_mask covers 10 tokens for 10 new ones \(41 \+ 10 expected"):
+            model(input_ids=short, attention_mask=torch.ones_like(short), cache=cache)
+        assert cache.get_seq_length() == 41  # the refused calls changed nothing
+        more = torch.cat([out, random_ids(3, seed=4)], 1)  # the same sequence, continued: all its tokens + 3 new
+        cont = model.generate(input_ids=more, cache=cache, max_new_tokens=4, do_sample=False)
+        assert cont.shape[1] == more.shape[1] + 4 and cache.get_seq_length() == 48
+        cache.reset()
+        again = model.generate(input_ids=short, cache=cache, max_new_tokens=5, do_sample=False)
+        ref = model.generate(
+            input_ids=short, cache=DynamicCache(config=model.config), max_new_tokens=5, do_sample=False
+        )
+    assert torch.equal(again, ref)  # 15 tokens: under the budget, so exactly the full cache's output
 
 
 # --------------------------------------------------------------------------------------- bad input, CLI level

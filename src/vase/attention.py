@@ -6,9 +6,14 @@ registers a forward pre-hook on the decoder that hands the 2-D padding mask to a
 model code is copied and no forward is patched.
 
 When the keys handed to the wrapper come from an :class:`~vase.cache.EvictingLayer` update (checked by identity), the
-wrapper (1) saves the queries in that layer's ring, (2) replaces the logical mask transformers built by one over the
-physical slots, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache
-(or none) it calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``.
+wrapper (1) saves the queries in that layer's ring, (2) passes a mask over the physical slots instead of the logical
+one, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache (or none) it
+calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``.
+
+The mask function registered under the same ``vase_<impl>`` name builds transformers' usual mask, except during a
+forward pass that uses an :class:`~vase.EvictingCache` (flagged by the pre-hook): then it builds nothing and returns
+None, since the wrapper would discard that mask (``[B, 1, q, seen + q]``, as large as the attention weights of a
+prefill in eager) for its own.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3
 _MASK_KIND = {"sdpa": "bool", "eager": "additive", "flash_attention_2": "padding", "flash_attention_3": "padding"}
 _PREFIX = "vase_"
 _handoff = threading.local()
+_forward = threading.local()  # .evicting: the decoder forward pass in progress on this thread uses an EvictingCache
 
 
 def hand_off(layer, key: torch.Tensor) -> None:
@@ -37,6 +43,11 @@ def _take(key: torch.Tensor):
         _handoff.item = None
         return item[0]
     return None
+
+
+def evicting_forward() -> bool:
+    """Whether the decoder forward pass running on this thread uses an :class:`~vase.EvictingCache`."""
+    return getattr(_forward, "evicting", False)
 
 
 def _fallback_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -67,6 +78,11 @@ def _make_wrapper(base: str):
         layer = _take(key)
         fn = _base_function(base, module)
         if layer is None:
+            if evicting_forward():
+                raise RuntimeError(
+                    "vase's attention got keys that did not come from its EvictingCache during a forward pass that "
+                    f"uses one ({type(module).__name__}): this model's attention is not supported by vase"
+                )
             return fn(module, query, key, value, attention_mask, **kwargs)
         layer.record_queries(query, kwargs.get("scaling"))
         mask = layer.attention_mask(kind, query.dtype)
@@ -79,9 +95,28 @@ def _make_wrapper(base: str):
     return vase_attention
 
 
+def _make_mask_function(base: str):
+    base_mask = ALL_MASK_ATTENTION_FUNCTIONS[base]
+
+    def vase_mask(*args, **kwargs):
+        if evicting_forward():
+            return None  # the attention wrapper builds the mask over physical slots itself
+        return base_mask(*args, **kwargs)
+
+    vase_mask.__name__ = f"vase_{base}_mask"
+    vase_mask.__doc__ = f"transformers' {base!r} mask; None in a forward with an EvictingCache (see vase.attention)."
+    return vase_mask
+
+
+def _post_hook(module, args, kwargs, output):
+    _forward.evicting = False
+    return None
+
+
 def _pre_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     begin = getattr(cache, "_begin_forward", None)
+    _forward.evicting = begin is not None
     if begin is None:
         return None
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -116,13 +151,14 @@ def install(model) -> str:
     if name not in AttentionInterface._global_mapping:
         AttentionInterface.register(name, _make_wrapper(base))
         mask_base = "eager" if base == "eager" else ("sdpa" if base == "sdpa" else "flash_attention_2")
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
+        AttentionMaskInterface.register(name, _make_mask_function(mask_base))
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
     decoder = decoder if decoder is not None else model
     if not getattr(decoder, "_vase_hooked", False):
         decoder.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        decoder.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
         decoder._vase_hooked = True
     return name
 

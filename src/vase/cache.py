@@ -196,14 +196,21 @@ class _Step:
         return out
 
 
+def _expand(idx: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """``[B, n]`` indices along the token axis as ``[B, heads, n, dim]``, to gather from ``[B, heads, T, dim]``."""
+    return idx.view(idx.shape[0], 1, idx.shape[1], 1).expand(idx.shape[0], heads, idx.shape[1], dim)
+
+
 class EvictingLayer(CacheLayerMixin):
     """One layer of an :class:`EvictingCache`. Created by the cache; not meant to be built directly.
 
     Tensors (allocated at the first update, never reallocated, except by the growing ``full`` policy):
         keys, values: ``[B, kv_heads, capacity, head_dim]`` model dtype.
         positions: ``[B, kv_heads, capacity]`` int64 logical position of each slot.
-        queries: ``[B, q_heads, window, head_dim]`` ring of the last ``window`` post-RoPE queries (if the policy
-            needs them), with ``query_positions`` and ``query_valid`` ``[B, window]``.
+        queries: ``[B, q_heads, window, head_dim]`` ring of the last ``window`` post-RoPE queries of each row, its
+            real ones only (if the policy needs them), with ``query_positions`` and ``query_valid`` ``[B, window]``.
+        state: per-slot scorer state, ``{name: [B, kv_heads, capacity]}`` float32, moved with its tokens.
+        row_memo: per-row scorer memo, ``{name: [B]}`` (``acc_upto``: the newest query H2O has accumulated).
     """
 
     is_compileable = False
@@ -322,7 +329,12 @@ class EvictingLayer(CacheLayerMixin):
     # -------------------------------------------------------------------------------- called by vase.attention
     @torch.no_grad()
     def record_queries(self, query: torch.Tensor, scaling: float | None) -> None:
-        """Save the last ``window`` post-RoPE queries ``[B, q_heads, q, head_dim]`` of this step in the ring."""
+        """Save the last ``window`` post-RoPE queries ``[B, q_heads, q, head_dim]`` of this step in the ring.
+
+        The ring holds, per row, that row's last ``window`` real queries: one write pointer serves all rows, and the
+        slot it points at is the oldest query (or an empty slot) of every row. A step with padding keeps this true
+        with :meth:`_record_padded`.
+        """
         c = self.cache
         step = c._step
         self.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -334,26 +346,48 @@ class EvictingLayer(CacheLayerMixin):
             self.queries = torch.zeros((b, hq, w, d), dtype=query.dtype, device=query.device)
             self.query_positions = torch.full((b, w), -1, dtype=torch.long, device=query.device)
             self.query_valid = torch.zeros((b, w), dtype=torch.bool, device=query.device)
+        if step.new_valid is not None:
+            self._record_padded(query, step)
+            return
         m = min(q, w)
         if m == 1:
             i = self._q_next
             self.queries[:, :, i : i + 1].copy_(query[:, :, -1:])
-            if len(set(step.real_before)) == 1 and step.new_valid is None:
+            if len(set(step.real_before)) == 1:
                 self.query_positions[:, i].fill_(step.real_before[0] + q - 1)
             else:
                 self.query_positions[:, i].copy_(step.new_positions()[:, -1])
-            self.query_valid[:, i] = True if step.new_valid is None else step.new_valid[:, -1]
+            self.query_valid[:, i] = True
         else:
             idx = torch.arange(self._q_next, self._q_next + m, device=query.device) % w
             self.queries.index_copy_(2, idx, query[:, :, -m:])
             self.query_positions.index_copy_(1, idx, step.new_positions()[:, -m:])
-            valid = (
-                step.new_valid[:, -m:]
-                if step.new_valid is not None
-                else torch.ones((b, m), dtype=torch.bool, device=query.device)
-            )
-            self.query_valid.index_copy_(1, idx, valid)
+            self.query_valid.index_fill_(1, idx, True)
         self._q_next = (self._q_next + m) % w
+
+    def _record_padded(self, query: torch.Tensor, step: _Step) -> None:
+        """Ring update for a multi-token step with padding (a ragged prefill or continuation).
+
+        Padding columns must not push a row's earlier real queries out of the ring: each row keeps the newest
+        ``window`` of its saved real queries and its real new ones, rewritten oldest first from slot 0 with the empty
+        slots before them (so the write pointer, reset to 0, again points at each row's oldest entry). Works on
+        ``[B, q_heads, 2 * window, head_dim]`` at most, whatever the step's length.
+        """
+        w = self.queries.shape[2]
+        hq, d = query.shape[1], query.shape[3]
+        m = min(step.q, w)
+        dev = query.device
+        # the last m real columns of each row, in order (empty columns first where a row has fewer)
+        cols = torch.argsort(step.new_valid.to(torch.int8), dim=1, stable=True)[:, -m:]  # [B, m]
+        age = (torch.arange(w, device=dev) + self._q_next) % w  # ring slots, oldest first
+        cand_q = torch.cat([self.queries.index_select(2, age), query.gather(2, _expand(cols, hq, d))], 2)
+        cand_p = torch.cat([self.query_positions.index_select(1, age), step.new_positions().gather(1, cols)], 1)
+        cand_v = torch.cat([self.query_valid.index_select(1, age), step.new_valid.gather(1, cols)], 1)
+        keep = torch.argsort(cand_v.to(torch.int8), dim=1, stable=True)[:, -w:]  # [B, w]: the newest w real last
+        self.queries.copy_(cand_q.gather(2, _expand(keep, hq, d)))
+        self.query_positions.copy_(cand_p.gather(1, keep))
+        self.query_valid.copy_(cand_v.gather(1, keep))
+        self._q_next = 0
 
     def attention_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask over physical slots for this step (see :meth:`_Step.mask`)."""
@@ -403,24 +437,34 @@ class EvictingLayer(CacheLayerMixin):
             row_keys=pick(c._row_keys_tensor(keys.device)),
             eviction_index=pick(evs),
             state=state,
-            memo={"latest_query": pick(step.latest_positions()), "acc_upto": memo},
+            sinks=c.sinks,
+            buffer=c.buffer,
+            memo={"latest_query": pick(step.latest_positions()), **memo},
         )
         return ctx, forced
 
     def _select(self, step, rows, keys, values, positions, valid, state) -> torch.Tensor:
-        """Policy selection for ``rows`` (None = all); returns slot indices ``[r, H, budget]``."""
+        """Policy selection for ``rows`` (None = all); returns slot indices ``[r, H, budget]``.
+
+        ``keys``, ``values`` ``[r, H, S, D]``, ``positions`` ``[r, H, S]``, ``valid`` ``[r, S]`` hold the ``r`` rows
+        scored (copies when only some rows are). ``state`` maps each of the policy's state names to ``[r, H, S]``
+        float32: the scorer updates it in place or replaces its entries, so on return ``state`` holds the new state of
+        those rows' slots, and the caller must write it back with them (see :meth:`_write`). The per-row memo
+        (``row_memo``, e.g. how far H2O has accumulated) is written back here, for exactly these rows.
+        """
         c = self.cache
         sel_rows = None if rows is None else step.tensor(("rows", tuple(rows)), rows)
-        memo = self.row_memo["acc_upto"] if sel_rows is None else self.row_memo["acc_upto"].index_select(0, sel_rows)
+        memo = {n: m if sel_rows is None else m.index_select(0, sel_rows) for n, m in self.row_memo.items()}
         ctx, forced = self._context(step, sel_rows, keys, values, positions, valid, state, memo)
         r = keys.shape[0]
         keep = torch.full((r,), c.budget, dtype=torch.long, device=keys.device)
         sel = c.policy.select(ctx, keep, c.budget, forced)
-        upto = ctx.memo["acc_upto"]
-        if sel_rows is None:
-            self.row_memo["acc_upto"].copy_(upto)
-        else:
-            self.row_memo["acc_upto"].index_copy_(0, sel_rows, upto)
+        for n, m in self.row_memo.items():
+            new = torch.as_tensor(ctx.memo[n], dtype=m.dtype, device=m.device).expand(r)
+            if sel_rows is None:
+                m.copy_(new)
+            else:
+                m.index_copy_(0, sel_rows, new)
         if c.record_evictions:
             self.last_eviction = {
                 "rows": list(range(r)) if rows is None else list(rows),
@@ -438,7 +482,7 @@ class EvictingLayer(CacheLayerMixin):
                 "scores": None if sel.scores is None else sel.scores.clone(),
                 "kept": sel.indices.clone(),
                 "kept_positions": positions.gather(2, sel.indices),
-                "n_protect": c.policy.guard.count(c.budget) if c.policy.guard is not None else 0,
+                "n_protect": c.policy.guard.count(c.budget, c.sinks) if c.policy.guard is not None else 0,
             }
         return sel.indices
 
@@ -532,6 +576,8 @@ class EvictingLayer(CacheLayerMixin):
                 idx[:, :, : c.budget] = sel
             else:
                 idx[rt, :, : c.budget] = sel
+                for n, s in sub[4].items():  # the scored rows' state (H2O: attention just accumulated)
+                    state[n].index_copy_(0, rt, s)
         self._write(step, None, idx, step.keep, new_k, new_v, positions, state)
 
     # ------------------------------------------------------------------------------------------ Cache protocol
@@ -589,10 +635,13 @@ class EvictingCache(Cache):
         budget: tokens kept per (row, layer, KV head) after each eviction.
         buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps.
         sinks: first tokens of each row always kept (attention sinks), default 4.
-        window: saved queries per layer for attention-based scorers (default: the policy's window).
+        window: saved queries per layer for attention-based scorers (default: the policy's window; the buffer for
+            the published preset).
         seed: int (row ``b`` uses ``seed + b``) or one int per row: keys the random choices of each row.
-        compress_prompt: compress a prompt longer than the budget at prefill (default); False keeps it dense
-            until the first eviction, as the paper's code does.
+        compress_prompt: compress a prompt longer than the budget at prefill; False keeps it dense until the first
+            eviction, as the paper's code does: the first eviction then comes at the first multiple of ``buffer``
+            tokens above the prompt (and at least at ``budget + buffer``). Default: the policy's option ``prompt``
+            ('compress' unless the policy says 'dense', as ``preset='paper'`` does).
         record_evictions: keep the details of each layer's last eviction in ``layer.last_eviction`` (tests,
             inspection).
         profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
@@ -601,9 +650,12 @@ class EvictingCache(Cache):
 
     Raises:
         ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
-            or policy option, protected share outside [0, 1), temperature <= 0, a model with a layer type other
+            or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
+            (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
+            a model with a layer type other
             than full attention (sliding window, linear attention), or, at the first forward, a cache reused for
-            another model or batch size.
+            another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
+            it holds.
     """
 
     def __init__(
@@ -615,7 +667,7 @@ class EvictingCache(Cache):
         sinks: int = 4,
         window: int | None = None,
         seed: int | Sequence[int] = 0,
-        compress_prompt: bool = True,
+        compress_prompt: bool | None = None,
         record_evictions: bool = False,
         profile: bool = False,
         **policy_options,
@@ -643,11 +695,15 @@ class EvictingCache(Cache):
         config = model.config.get_text_config(decoder=True)
         check_model_supported(config)
         self.budget, self.buffer, self.sinks = budget, buffer, sinks
-        self.window = window if window is not None else self.policy.window
+        # the published method scores with the last `buffer` queries: its window follows the buffer
+        default_window = buffer if self.policy.published else self.policy.window
+        self.window = window if window is not None else default_window
         if not self.policy.window:
             self.window = 0
         self.seed = seed
-        self.compress_prompt = compress_prompt
+        self.compress_prompt = self.policy.compress_prompt if compress_prompt is None else bool(compress_prompt)
+        if self.policy.published:
+            check_published(self.policy, budget, buffer, self.window)
         self.record_evictions = record_evictions
         self.profile = profile
         self.num_kv_heads = config.num_key_value_heads
@@ -691,7 +747,33 @@ class EvictingCache(Cache):
             self._abandon_step()
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("EvictingCache needs a 2-D attention_mask [batch, tokens] (or none), not a 4-D one")
+        self._check_continuation(q, attention_mask)
         self._pending_mask = attention_mask
+
+    def _check_continuation(self, q: int, attention_mask: torch.Tensor | None) -> None:
+        """Refuse a forward that cannot continue the sequence this cache holds: a cache filled by an earlier
+        ``generate`` and reused for a new prompt.
+
+        ``generate`` keeps only the input tokens past ``get_seq_length()`` (it takes the cached ones for a prefix of
+        the input): a new prompt no longer than the tokens held leaves nothing (``q == 0``). A direct forward with its
+        own 2-D mask must cover the tokens held plus the new ones, as transformers' masks do. (A new prompt longer
+        than the tokens held looks like a continuation from the inputs alone: reset the cache between prompts.)
+        """
+        held = self._seen
+        advice = "call cache.reset() or create a new EvictingCache for each new prompt"
+        if q == 0 and held:
+            raise ValueError(
+                f"this EvictingCache already holds {held} tokens of an earlier sequence and the input adds none to "
+                f"them (a new prompt of at most {held} tokens?): {advice}"
+            )
+        if q == 0:
+            raise ValueError("EvictingCache got an empty input (0 tokens): give at least one token")
+        if attention_mask is not None and held and attention_mask.shape[-1] != held + q:
+            raise ValueError(
+                f"this EvictingCache already holds {held} tokens, but the attention_mask covers "
+                f"{attention_mask.shape[-1]} tokens for {q} new ones ({held} + {q} expected; a new prompt on a "
+                f"filled cache?): {advice}"
+            )
 
     def _check_batch(self, batch: int) -> None:
         if self.batch is not None and batch != self.batch:
@@ -735,10 +817,11 @@ class EvictingCache(Cache):
         fill = list(self._fill)
         n = [f + cnt for f, cnt in zip(fill, counts)]
         if self.capacity is None:
-            # A row evicts when its fill reaches its limit: budget + buffer, or with a dense prompt
-            # max(budget, its prompt) + buffer until its first eviction (per row, so rows stay independent).
-            dense = not self.compress_prompt or not self.policy.evicts
-            self._row_limit = [max(self.budget, cnt) + self.buffer if dense else self.budget + self.buffer for cnt in n]
+            # A row evicts when its fill reaches its limit: budget + buffer; with a dense prompt, until its first
+            # eviction, the first multiple of the buffer above its prompt (as the reference code: it compacts when
+            # the length exceeds the budget and is a multiple of the buffer), at least budget + buffer. Per row, so
+            # rows stay independent.
+            self._row_limit = [self._first_limit(cnt) for cnt in n]
             self.capacity = max(self._row_limit)
         if self.policy.evicts:
             limit = [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
@@ -765,6 +848,28 @@ class EvictingCache(Cache):
             capacity=self.capacity,
         )
         return self._step
+
+    def _first_limit(self, prompt: int) -> int:
+        """Fill (tokens) at which a row holding ``prompt`` tokens after its prefill first evicts."""
+        if self.compress_prompt and self.policy.evicts:
+            return self.budget + self.buffer
+        if not self.policy.evicts:
+            return max(self.budget, prompt) + self.buffer
+        return max(self.budget, (prompt // self.buffer) * self.buffer) + self.buffer
+
+    def room(self) -> list[int]:
+        """Tokens each row can take before its next eviction (the eviction happens at the token that fills it).
+
+        Known after the first forward pass; used by :func:`vase.fidelity.replay` to cut teacher-forced chunks exactly
+        where token-by-token decoding would evict.
+
+        Raises:
+            RuntimeError: before the first forward pass, or for a policy that never evicts.
+        """
+        if self.capacity is None or not self.policy.evicts:
+            raise RuntimeError("room() is known after the first forward pass, for an evicting policy")
+        limits = [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
+        return [lim - f for lim, f in zip(limits, self._fill)]
 
     def _layer_done(self, layer: EvictingLayer) -> None:
         step = self._step
@@ -844,6 +949,28 @@ def _decoder(model):
     get = getattr(model, "get_decoder", None)
     dec = get() if callable(get) else None
     return dec if dec is not None else model
+
+
+def check_published(policy: Policy, budget: int, buffer: int, window: int) -> None:
+    """The rules the published method's code needs (``preset='paper'``), as clear errors.
+
+    Raises:
+        ValueError: a budget that is not a multiple of the buffer (the reference compacts when the cache length is a
+            multiple of the buffer, so it only ever holds such budgets), or an observation window other than the
+            buffer (the reference keeps the last ``buffer`` queries).
+    """
+    if budget % buffer:
+        lo, hi = (budget // buffer) * buffer, (budget // buffer + 1) * buffer
+        hint = f"{lo} or {hi}" if lo > buffer else f"{hi}"
+        raise ValueError(
+            f"the published method ({policy.name}:preset=paper) needs a budget that is a multiple of the buffer "
+            f"({buffer}); got {budget}: use {hint}"
+        )
+    if policy.window and window != buffer:
+        raise ValueError(
+            f"the published method ({policy.name}:preset=paper) scores with the last `buffer` queries: window must "
+            f"equal the buffer ({buffer}), got {window}"
+        )
 
 
 def check_model_supported(config) -> None:

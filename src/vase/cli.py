@@ -35,13 +35,14 @@ def _message(exc: Exception) -> str:
 
 
 def friendly(fn):
-    """Turn the library's clear ValueErrors (and Ctrl-C) into one line on stderr and a non-zero exit."""
+    """Turn the library's clear ValueErrors, file-system errors (a path that is a file where a folder is needed, no
+    permission...) and Ctrl-C into one line on stderr and a non-zero exit."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+        except (ValueError, OSError, NotImplementedError) as exc:
             _fail(_message(exc))
         except KeyboardInterrupt:
             _fail("interrupted", 130)
@@ -82,6 +83,10 @@ def policies():
 
     for name, keeps, source in policy_table():
         typer.echo(f"{name:14s} {keeps}\n{'':14s} {source}")
+    typer.echo(
+        "\nThe published method exactly as the authors' code runs it: vase:preset=paper and vase_dkv:preset=paper "
+        "(budget a multiple of the buffer). Options go after colons: snapkv:selector=sample, vase:guard=random."
+    )
 
 
 @app.command()
@@ -116,9 +121,6 @@ def generate(
     """Generate from one prompt with an evicting cache, streaming the text, then print a stats line."""
     from .data import TEMPLATES
 
-    text = _prompt_text(prompt, data, index, question_field, template)
-    if template in TEMPLATES and data is None:
-        text = TEMPLATES[template].format(question=text)
     options = dict(
         policy=policy,
         budget=budget,
@@ -137,7 +139,14 @@ def generate(
         chat=not no_chat,
         **_policy_options(protect_share),
     )
-    _run_generation(text, dict(name=model, dtype=dtype, device=device, attn=attn), options)
+    model_options = dict(name=model, dtype=dtype, device=device, attn=attn)
+    _check_options(model_options, options)
+    if template not in (*TEMPLATES, "auto", "none"):
+        raise ValueError(f"unknown template {template!r}; choose auto, {', '.join(TEMPLATES)} or none")
+    text = _prompt_text(prompt, data, index, question_field, template)
+    if template in TEMPLATES and data is None:
+        text = TEMPLATES[template].format(question=text)
+    _run_generation(text, model_options, options)
 
 
 def _prompt_text(prompt, data, index, question_field, template) -> str:
@@ -154,12 +163,32 @@ def _prompt_text(prompt, data, index, question_field, template) -> str:
             raise ValueError(f"unknown template {template!r}; choose auto, math, mcq or none")
         return TEMPLATES[kind].format(question=problem.question)
     if prompt is None or prompt == "-":
-        if prompt is None and sys.stdin.isatty():
+        stdin = sys.stdin
+        if stdin is None:  # started with stdin closed (`<&-`), or detached from any input
+            raise ValueError(
+                "no prompt: standard input is closed; pass the prompt as an argument or use --data FILE --index N"
+            )
+        if prompt is None and stdin.isatty():
             raise ValueError("no prompt: pass one as an argument, pipe it on stdin, or use --data FILE --index N")
-        prompt = sys.stdin.read()
+        prompt = stdin.read()
     if not prompt.strip():
         raise ValueError("the prompt is empty: give some text")
     return prompt
+
+
+# Options of vase.generate that are not checked by check_options (seeds, prompt handling)
+_UNCHECKED = ("seed", "compress_prompt", "system", "chat")
+
+
+def _check_options(model_options: dict, options: dict) -> None:
+    """Every option's range, before the prompt is read or anything is loaded (a bad value fails in a second)."""
+    from .generation import check_options
+    from .models import check_load_options
+
+    check_options(**{k: v for k, v in options.items() if k not in _UNCHECKED})
+    check_load_options(
+        model_options.get("dtype", "auto"), model_options.get("device", "auto"), model_options.get("attn", "sdpa")
+    )
 
 
 def _run_generation(text: str, model_options: dict, options: dict):
@@ -168,10 +197,8 @@ def _run_generation(text: str, model_options: dict, options: dict):
 
     from .generation import generate as run
     from .models import load_model
-    from .policies import make_policy
 
-    policy_options = {k: options[k] for k in ("protect_share",) if k in options}
-    make_policy(options["policy"], **policy_options)  # bad policy options fail before loading a model
+    _check_options(model_options, options)  # again for `vase demo`; cheap
     _threads()
     lm = load_model(**model_options)
     typer.echo(f"[vase] model {lm.name} on {lm.device} ({str(lm.dtype).replace('torch.', '')})", err=True)
@@ -261,7 +288,7 @@ def eval_cmd(
     attn: str = AttnOpt,
 ):
     """Accuracy sweep: policies x budgets/ratios x tasks x seeds, one JSONL record per completion; resumable."""
-    from .evaluate import EvalConfig, parse_shard, run_sweep
+    from .evaluate import EvalConfig, check_results_dir, parse_shard, run_sweep
 
     _threads()
     config = EvalConfig(
@@ -282,8 +309,40 @@ def eval_cmd(
         question_field=question_field,
         answer_field=answer_field,
     )
+    _check_sweep(config, batch_size, device)
+    check_results_dir(out)
     path = run_sweep(config, out, shard=parse_shard(shard), batch_size=batch_size, device=device)
     typer.echo(f"[vase] records in {path}; summary: vase report {out}")
+
+
+def _check_sweep(config, batch_size: int, device: str) -> None:
+    """The ranges of `vase eval`'s options, checked before any task file or model is loaded."""
+    from .generation import check_options, check_sampling
+    from .models import check_load_options
+
+    check_load_options(config.dtype, device, config.attn)
+    check_sampling(config.temperature, config.top_p, config.top_k)
+    if config.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    for option, values in (("--tasks", config.tasks), ("--policies", config.policies), ("--seeds", config.seeds)):
+        if not values:
+            raise ValueError(f"{option} is empty: give at least one value")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if config.limit is not None and config.limit < 1:
+        raise ValueError(f"--limit must be >= 1 problem, got {config.limit}")
+    for kind, size in config.sizes():
+        check_options(
+            policy=config.policies[0],
+            budget=int(size) if kind == "budget" else None,
+            compression_ratio=size if kind == "ratio" else None,
+            buffer=config.buffer,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            **config.policy_options,
+        )
 
 
 @app.command()
@@ -312,12 +371,22 @@ def fidelity(
     buffer: int = BufferOpt,
     bucket: int = typer.Option(256, help="position bucket size for the per-position report"),
     seed: int = SeedOpt,
+    plant_layers: str | None = typer.Option(
+        None, "--plant-layers", help="plant value outliers in these layers (comma-separated), e.g. 4,12,20"
+    ),
+    plant_tokens: int = typer.Option(
+        0, "--plant-tokens", help="planted tokens, spread over the continuation's 1st half"
+    ),
+    plant_scale: float = typer.Option(20.0, "--plant-scale", help="planted value range / the head's median range"),
     model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     attn: str = AttnOpt,
 ):
-    """KL(full || policy), top-1 agreement and perplexity change, replaying the full cache's continuation."""
+    """KL(full || policy), top-1 agreement and perplexity change, replaying the full cache's continuation.
+
+    With --plant-layers and --plant-tokens, value outliers are planted (the same in the reference and the policies)
+    and the records say which share of them each policy still holds at the end."""
     from .fidelity import FidelityConfig, run_fidelity
 
     _threads()
@@ -334,7 +403,12 @@ def fidelity(
         buffer=buffer,
         bucket=bucket,
         seed=seed,
+        plant_layers=_csv(plant_layers, int),
+        plant_tokens=plant_tokens,
+        plant_scale=plant_scale,
     )
+    if bool(config.plant_layers) != (plant_tokens > 0):
+        _fail("planting value outliers needs both --plant-layers and --plant-tokens (> 0)")
     path = run_fidelity(config, out, device=device)
     typer.echo(f"[vase] records in {path}; summary: vase report {out}")
 
@@ -346,7 +420,9 @@ def inspect(
     data: str | None = typer.Option(None, "--data", help="JSONL file or task name"),
     index: int = typer.Option(0, "--index"),
     generate_tokens: int = typer.Option(0, "--generate", help="also generate this many tokens (full cache) first"),
-    out: Path = typer.Option(Path("inspect"), "--out", "-o", help="folder for the PNG heat-map and JSON"),
+    out: Path = typer.Option(
+        Path("runs/inspect"), "--out", "-o", help="folder for the PNG heat-map and JSON (default runs/inspect)"
+    ),
     top: int = typer.Option(5, help="tokens listed per layer"),
     model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
@@ -361,6 +437,7 @@ def inspect(
     lm = load_model(model, dtype=dtype, device=device)
     report = inspect_model(lm, text, out, generate_tokens=generate_tokens, top=top)
     typer.echo(report)
+    typer.echo(f"[vase] written {out / 'magnitudes.json'} and {out / 'value_range_heatmap.png'}")
 
 
 @app.command()
@@ -398,7 +475,32 @@ def bench(
 ):
     """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
     from .bench import paired_markdown, paired_speed, profile_eviction, run_bench
+    from .generation import check_options
+    from .models import check_load_options
 
+    check_load_options(device=device)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder: give a folder for the results")
+    names = _csv(policies)
+    if paired:
+        sizes = [paired_budget]
+        if steps < 1 or context < paired_budget + buffer:
+            raise ValueError(
+                f"--paired needs --steps >= 1 and --context >= budget + buffer ({paired_budget} + {buffer}); "
+                f"got steps {steps}, context {context}"
+            )
+    elif profile:
+        sizes, names = [profile_budget], names or ["vase"]
+    else:
+        sizes = _csv(budgets, int)
+        marks = _csv(lengths, int)
+        if not marks or min(marks) < 1:
+            raise ValueError(f"--lengths must be positive token counts, got {lengths!r}")
+        if not sizes:
+            raise ValueError("--budgets is empty: give at least one budget")
+    for name in names:
+        for size in sizes:  # the full cache has no budget: only its name is checked
+            check_options(policy=name, budget=None if name == "full" else size, buffer=buffer)
     _threads()
     if paired or profile:
         from .models import load_model

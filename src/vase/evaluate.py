@@ -152,12 +152,28 @@ def all_records(out: Path) -> list[dict]:
     return recs
 
 
+def check_results_dir(out: Path) -> None:
+    """Check that ``out`` can be a results directory: it and the folders above it are folders or do not exist yet.
+
+    Raises:
+        ValueError: if ``out`` or a folder above it is a file.
+    """
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(
+                f"{out} cannot be a results directory: {folder} is a file; give a new folder, or the folder of an "
+                "earlier run to resume it"
+            )
+
+
 def prepare_dir(out: Path, config: EvalConfig) -> None:
     """Create ``out`` with its config, or check that an existing one holds the same configuration.
 
     Raises:
-        ValueError: if ``out`` holds results of another configuration (names the first difference).
+        ValueError: if ``out`` holds results of another configuration (names the first difference), or ``out`` (or
+            a folder above it) is a file.
     """
+    check_results_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / CONFIG_FILE
     mine = json.loads(config.model_dump_json())
@@ -234,7 +250,7 @@ def run_sweep(
 
     from .generation import encode_prompts, generate
     from .grading import grade
-    from .loops import loop_flag
+    from .loops import loop_flag, paper_loop
     from .models import load_model
 
     problems = {
@@ -294,6 +310,7 @@ def run_sweep(
                     "answer": answer,
                     "correct": bool(correct),
                     "loop": loop_flag(comp.text, comp.finished),
+                    "paper_loop": paper_loop(comp.text),
                     "new_tokens": comp.new_tokens,
                     "prompt_tokens": comp.prompt_tokens,
                     "finished": comp.finished,
@@ -313,7 +330,11 @@ def run_sweep(
 
 
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
-    """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1."""
+    """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
+    rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
+    from .policies import make_policy
+
+    published = any(make_policy(p).published for p in config.policies)
     out = {}
     for task, plist in problems.items():
         if not config.ratios or not plist:
@@ -321,7 +342,10 @@ def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> d
         lengths = [int(encode_prompts(tokenizer, [p.prompt()])["input_ids"].shape[1]) for p in plist[:50]]
         total = statistics.median(lengths) + config.max_new_tokens
         for r in config.ratios:
-            out[(task, r)] = max(math.ceil(total / r), config.buffer + 5)
+            budget = max(math.ceil(total / r), config.buffer + 5)
+            if published:  # the published method takes multiples of the buffer; every policy gets the same budget
+                budget = max(round(budget / config.buffer), 2) * config.buffer
+            out[(task, r)] = budget
     return out
 
 
@@ -363,9 +387,27 @@ def merge(dest: Path, sources: Iterable[Path]) -> tuple[int, int]:
     return len(recs), len(expected - seen)
 
 
+def loop_flags(rec: dict) -> tuple[bool, bool | None]:
+    """(loop, paper regex loop) of a record, from :mod:`vase.loops`.
+
+    Recomputed from the record's text by the current detectors when the record holds ``text`` and ``finished`` (so
+    a report follows detector changes without generating again); otherwise the stored ``loop`` and ``paper_loop``
+    fields (``paper_loop`` None for records written before it existed).
+    """
+    from .loops import loop_flag, paper_loop
+
+    if isinstance(rec.get("text"), str) and "finished" in rec:
+        return loop_flag(rec["text"], bool(rec["finished"])), paper_loop(rec["text"])
+    paper = rec.get("paper_loop")
+    return bool(rec["loop"]), None if paper is None else bool(paper)
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, policy, budget, ratio): pass@1 and its standard error (over problems, in %), loop rate
-    (%), mean generated tokens, mean KV bytes held and a full cache's, completions and problems counted."""
+    (%, :func:`vase.loops.loop_flag`), paper regex loop rate (%, :func:`vase.loops.paper_loop`; None when a record
+    predates it), share of completions cut by the token limit (%), mean generated tokens, mean KV bytes held and a
+    full cache's, completions and problems counted. Loop flags come from :func:`loop_flags` (recomputed from the
+    stored text)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["task"], r["policy"], r["budget"], r.get("ratio")), []).append(r)
@@ -377,6 +419,9 @@ def summarize(records: list[dict]) -> list[dict]:
         means = [sum(v) / len(v) for v in per_problem.values()]
         acc = 100 * sum(means) / len(means)
         se = 100 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
+        flags = [loop_flags(r) for r in recs]
+        papers = [p for _, p in flags]
+        finished = [r.get("finished") for r in recs]
         rows.append(
             {
                 "task": task,
@@ -385,7 +430,9 @@ def summarize(records: list[dict]) -> list[dict]:
                 "ratio": ratio,
                 "pass1": acc,
                 "se": se,
-                "loop_rate": 100 * sum(r["loop"] for r in recs) / len(recs),
+                "loop_rate": 100 * sum(loop for loop, _ in flags) / len(recs),
+                "paper_loop_rate": None if None in papers else 100 * sum(papers) / len(recs),
+                "limit_rate": None if None in finished else 100 * sum(not f for f in finished) / len(recs),
                 "mean_tokens": sum(r["new_tokens"] for r in recs) / len(recs),
                 "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
                 "kv_bytes_full": sum(r["kv_bytes_full"] for r in recs) / len(recs),

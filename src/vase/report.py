@@ -20,8 +20,70 @@ def _plt():
     return plt
 
 
+PERCENT_LIMITS = (-3.0, 103.0)  # y range of every percentage plot: 0-100 with room for markers at the ends
+
+
+def compression(row: dict) -> float:
+    """The compression of a summary row, the one definition used by the tables and the plots: full-cache bytes
+    (a dense cache holding every prompt and generated token) over the KV bytes the policy's buffers hold, means
+    over the row's completions. The ``full`` policy is the reference: 1.0 by definition (its buffers grow in steps
+    of the budget, so they may hold a few % more than the dense bytes; that slack is shown as "KV held", not
+    counted as compression below 1)."""
+    if row["policy"] == "full":
+        return 1.0
+    return row["kv_bytes_full"] / row["kv_bytes"] if row["kv_bytes"] else float("nan")
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def _compression_axis(ax, xs: list[float]) -> None:
+    """x from 0 to past the largest compression (at least 1.5x), so that 1x and equal values never collapse."""
+    ax.set_xlim(0.0, max(1.5, 1.1 * max(xs, default=1.0)))
+
+
+def _flat_axis(ax, values: list[float], lo: float | None = None, hi: float | None = None) -> None:
+    """Give a y axis whose values are all (nearly) equal a visible range of +-1 around them (within [lo, hi]),
+    instead of matplotlib's +-4% of the value (pass@1 from -0.04 to 0.04)."""
+    if values and max(values) - min(values) < 1e-9:
+        v = values[0]
+        bottom, top = v - 1.0, v + 1.0
+        if lo is not None and bottom < lo:
+            bottom, top = lo, lo + 2.0
+        if hi is not None and top > hi:
+            bottom, top = hi - 2.0, hi
+        ax.set_ylim(bottom, top)
+
+
+def eval_figure(rows: list[dict], task: str):
+    """The plots of one task's summary rows: pass@1 and loop rate (%) against :func:`compression`, both y axes fixed
+    at 0-100 %. Returns the matplotlib figure (the caller saves and closes it)."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    xs, markers = [], "os^vD<>pXh*P"
+    for i, policy in enumerate(sorted({r["policy"] for r in rows}, key=lambda p: (p != "full", p))):
+        pr = sorted((r for r in rows if r["policy"] == policy), key=compression)
+        x = [compression(r) for r in pr]
+        xs += x
+        se = [0.0 if r["se"] != r["se"] else r["se"] for r in pr]  # NaN (one problem) -> no error bar
+        style = dict(marker=markers[i % len(markers)], label=policy, alpha=0.8)
+        ax1.errorbar(x, [r["pass1"] for r in pr], yerr=se, capsize=3, **style)
+        ax2.plot(x, [r["loop_rate"] for r in pr], **style)
+    for ax, name in ((ax1, "pass@1 (%)"), (ax2, "loop rate (%)")):
+        ax.set(xlabel="compression (full-cache bytes / KV bytes held; full = 1)", ylabel=name, ylim=PERCENT_LIMITS)
+        _compression_axis(ax, xs)
+    ax1.set_title(f"{task}: accuracy")
+    ax2.set_title(f"{task}: loops (cut at the limit while repeating)")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def eval_section(records: list[dict], out: Path) -> list[str]:
-    """Accuracy table (pass@1 +- standard error, loop rate, mean length, KV memory) and plots, per task."""
+    """Accuracy table (compression, pass@1 +- standard error, loop rates, share cut by the token limit, mean length,
+    KV memory) and plots, per task. Loop flags are recomputed from the stored text
+    (:func:`vase.evaluate.loop_flags`)."""
     from .evaluate import summarize
 
     rows = summarize(records)
@@ -33,28 +95,28 @@ def eval_section(records: list[dict], out: Path) -> list[str]:
         lines += [
             f"### {task}: accuracy ({n_problems} problems)",
             "",
-            "| policy | cache size | pass@1 (%) | loop rate (%) | mean tokens | KV held (MiB) | full cache (MiB) "
-            "| completions |",
-            "|---|---|---|---|---|---|---|---|",
+            "| policy | cache size | compression | pass@1 (%) | loop rate (%) | paper regex loop rate (%) "
+            "| cut at limit (%) | mean tokens | KV held (MiB) | full cache (MiB) | completions |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(trows, key=lambda r: (r["policy"] != "full", r["policy"], r["budget"])):
             lines.append(
-                f"| {r['policy']} | {_fmt_size(r)} | {r['pass1']:.1f} ± {r['se']:.1f} | {r['loop_rate']:.1f} | "
+                f"| {r['policy']} | {_fmt_size(r)} | {compression(r):.2f}x | {r['pass1']:.1f} ± {r['se']:.1f} | "
+                f"{r['loop_rate']:.1f} | {_pct(r['paper_loop_rate'])} | {_pct(r['limit_rate'])} | "
                 f"{r['mean_tokens']:.0f} | {r['kv_bytes'] / MIB:.2f} | {r['kv_bytes_full'] / MIB:.2f} | "
                 f"{r['completions']} |"
             )
-        lines.append("")
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for policy in sorted({r["policy"] for r in trows}):
-            pr = sorted((r for r in trows if r["policy"] == policy), key=lambda r: r["kv_bytes_full"] / r["kv_bytes"])
-            # the full cache is the reference point (1x), whatever slack its growing buffers have
-            x = [1.0 if policy == "full" else r["kv_bytes_full"] / max(r["kv_bytes"], 1) for r in pr]
-            ax1.errorbar(x, [r["pass1"] for r in pr], yerr=[r["se"] for r in pr], marker="o", capsize=3, label=policy)
-            ax2.plot(x, [r["loop_rate"] for r in pr], marker="o", label=policy)
-        ax1.set(xlabel="compression (full-cache bytes / bytes held)", ylabel="pass@1 (%)", title=f"{task}: accuracy")
-        ax2.set(xlabel="compression (full-cache bytes / bytes held)", ylabel="loop rate (%)", title=f"{task}: loops")
-        ax1.legend(fontsize=8)
-        fig.tight_layout()
+        lines += [
+            "",
+            "Compression: full-cache bytes (a dense cache of every prompt and generated token) / KV bytes held, means "
+            "over the completions; `full` is the reference, 1.00x by definition (its buffers grow in steps of the "
+            "budget, so its KV held can exceed the full-cache bytes). Loop rate: cut by the token limit while ending "
+            "in 3+ near-identical repetitions of a 5-300 character unit (`vase.loops.loop_flag`; error rates in "
+            "docs/RESULTS.md). Paper regex loop rate: `(.{10,40})\\1{4,}` found in the last 500 characters, finished "
+            "or not (the VaSE reference check). Both are recomputed from the stored text.",
+            "",
+        ]
+        fig = eval_figure(trows, task)
         name = f"eval_{task}.png"
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -132,12 +194,17 @@ def fidelity_section(records: list[dict], out: Path) -> list[str]:
         ax1.plot([r["compression"] for r in pts], [r["kl"] for r in pts], label=p, **style)
         ax2.plot([r["compression"] for r in pts], [r["top1"] for r in pts], label=p, **style)
     ax1.set(
-        xlabel="compression ratio",
+        xlabel="compression ratio (context tokens / budget, as asked by --ratios)",
         ylabel="mean KL(full ‖ policy) (nats)",
         yscale="log",
         title="divergence from the full cache",
     )
-    ax2.set(xlabel="compression ratio", ylabel="top-1 agreement (%)", title="agreement with the full cache")
+    ax2.set(
+        xlabel="compression ratio (context tokens / budget, as asked by --ratios)",
+        ylabel="top-1 agreement (%)",
+        title="agreement with the full cache",
+    )
+    _flat_axis(ax2, [r["top1"] for r in rows if r["policy"] != "full"], lo=0.0, hi=100.0)
     ax1.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "fidelity.png", dpi=110)

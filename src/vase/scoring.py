@@ -47,6 +47,8 @@ class EvictionContext:
         state: per-slot state of the scorer, tensors ``[b, H, S]`` that move with their tokens.
         memo: per-layer scalars a scorer may keep between evictions (e.g. how far H2O has accumulated); the cache
             sets ``memo["latest_query"]`` (``[b]``, the position of each row's newest query) before each eviction.
+        sinks: the first ``sinks`` valid tokens of each row are attention sinks (always kept).
+        buffer: the last ``buffer`` valid tokens of each row are the recent window (always kept).
     """
 
     keys: torch.Tensor
@@ -64,6 +66,20 @@ class EvictionContext:
     eviction_index: torch.Tensor
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     memo: dict = field(default_factory=dict)
+    sinks: int = 0
+    buffer: int = 0
+
+    def older(self) -> torch.Tensor:
+        """``[b, S]`` bool: valid slots before the recent window (sinks included), the part of the cache that the
+        reference code of VaSE scores (its softmax and its pooling run over these slots only)."""
+        rank = self.valid.long().cumsum(-1) - 1
+        n_valid = self.valid.sum(-1, keepdim=True)
+        return self.valid & (rank < n_valid - self.buffer)
+
+    def sink_mask(self) -> torch.Tensor:
+        """``[b, S]`` bool: the sink slots (the first ``sinks`` valid slots of each row)."""
+        rank = self.valid.long().cumsum(-1) - 1
+        return self.valid & (rank < self.sinks)
 
     def noise_parts(self, stream: int) -> tuple:
         """Hash inputs that give one independent value per (row, head, slot) for this eviction and stream."""
@@ -94,31 +110,39 @@ class Scorer:
         return type(self).__name__
 
 
-def window_attention(ctx: EvictionContext, since: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def window_attention(
+    ctx: EvictionContext,
+    since: int | torch.Tensor | None = None,
+    domain: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the saved queries over the cached keys, recomputed in float32.
 
-    Each query attends causally (to slots whose logical position is <= its own) over all valid slots, as the model
-    itself did. Returns ``probs`` ``[b, H, G, W, S]`` (rows of invalid queries are all zero) and ``n_queries`` ``[b]``
-    (valid queries per row). With ``since`` (an int or ``[b]`` tensor), only queries at positions > ``since`` count.
+    Each query attends causally (to slots whose logical position is <= its own) over the slots of ``domain``
+    (``[b, S]`` bool, default: every valid slot, as the model itself did), with logits ``q k^T * scaling /
+    temperature``. Returns ``probs`` ``[b, H, G, W, S]`` (rows of invalid queries and columns outside the domain are
+    zero) and ``seen`` ``[b, H, S]``: how many valid queries can see each slot (the causal count a mean over queries
+    divides by). With ``since`` (an int or ``[b]`` tensor), only queries at positions > ``since`` count.
     """
     q = ctx.queries
     b, hq, w, d = q.shape
     h, s = ctx.keys.shape[1], ctx.keys.shape[2]
     g = hq // h
     logits = torch.matmul(q.float().reshape(b, h, g * w, d), ctx.keys.float().transpose(-1, -2))
-    logits = logits.view(b, h, g, w, s) * ctx.scaling
+    logits = logits.view(b, h, g, w, s).mul_(ctx.scaling / temperature)  # in place: one [b, H, G, W, S] buffer
     qvalid = ctx.query_valid
     if since is not None:
         since = torch.as_tensor(since, device=qvalid.device).view(-1, 1)
         qvalid = qvalid & (ctx.query_positions > since)
-    allowed = (
-        ctx.valid.view(b, 1, 1, 1, s)
-        & (ctx.positions.view(b, h, 1, 1, s) <= ctx.query_positions.view(b, 1, 1, w, 1))
-        & qvalid.view(b, 1, 1, w, 1)
-    )
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    domain = ctx.valid if domain is None else domain
+    visible = (ctx.positions.view(b, h, 1, 1, s) <= ctx.query_positions.view(b, 1, 1, w, 1)) & qvalid.view(
+        b, 1, 1, w, 1
+    )  # [b, H, 1, W, S]
+    allowed = domain.view(b, 1, 1, 1, s) & visible
+    logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
-    return probs, qvalid.sum(-1)
+    del logits
+    return probs, visible.sum(3).squeeze(2)
 
 
 def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
@@ -134,6 +158,23 @@ def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     return out[..., : shape[-1]].reshape(shape)
 
 
+def pool_in_order(x: torch.Tensor, domain: torch.Tensor, order: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """Pool ``x`` ``[b, H, G, S]`` along the slots of ``domain`` (``[b, S]`` bool) taken in increasing ``order``
+    (``[b, H, S]``), with zero padding at both ends of the domain: slots outside the domain are neither pooled nor
+    pooled into. Entries outside the domain come back as 0.
+    """
+    if kernel <= 1:
+        return x * domain[:, None, None, :]
+    b, h, g, s = x.shape
+    key = torch.where(domain[:, None, :], order.float(), torch.full_like(order, float("inf"), dtype=torch.float32))
+    perm = torch.sort(key, dim=-1, stable=True).indices  # [b, H, S]: domain slots first, in order
+    inside = domain[:, None, :].expand(b, h, s).gather(-1, perm)
+    perm_g = perm[:, :, None, :].expand(b, h, g, s)
+    xs = x.gather(-1, perm_g) * inside[:, :, None, :]
+    pooled = pool_tokens(xs, kernel, kind) * inside[:, :, None, :]
+    return torch.zeros_like(x).scatter_(-1, perm_g, pooled)
+
+
 def reduce_heads(x: torch.Tensor, how: str) -> torch.Tensor:
     """``[b, H, G, S]`` -> ``[b, H, S]``: mean over each GQA group ('group') or all heads of the layer ('layer')."""
     if how == "group":
@@ -141,25 +182,87 @@ def reduce_heads(x: torch.Tensor, how: str) -> torch.Tensor:
     return x.mean((1, 2), keepdim=True).squeeze(2).expand(x.shape[0], x.shape[1], x.shape[3])
 
 
+SOFTMAX_DOMAINS = ("all", "older")
+POOL_EDGES = ("through", "zero")
+POOL_ORDERS = ("position", "slot")
+
+
 class WindowAttention(Scorer):
     """Observation-window attention, pooled over positions: SnapKV (Li et al. 2024, arXiv 2404.14469, Sec. 4) and the
     importance score of VaSE (arXiv 2606.03928, Sec. 3.2).
 
-    Score = mean over the last ``window`` queries of softmax(q k^T * scaling), pooled along the token axis
-    (``pool`` 'avg' or 'max', ``kernel`` wide), then averaged over the query heads of each GQA group
-    (``head_reduce='group'``) or of the whole layer (``'layer'``, as TOVA does).
+    Score = mean over the last ``window`` queries of softmax(q k^T * scaling / ``attention_temperature``), pooled
+    along the token axis (``pool`` 'avg' or 'max', ``kernel`` wide), then averaged over the query heads of each GQA
+    group (``head_reduce='group'``) or of the whole layer (``'layer'``, as TOVA does). The mean over queries is
+    causal: a slot's attention is divided by the number of window queries that can see it, so a slot newer than some
+    window queries is not penalised for the votes it could not get.
+
+    Where the reference code of VaSE differs, an option chooses (the published setting in brackets):
+
+    * ``softmax``: the softmax runs over every held slot, ``'all'``, or only over the slots before the recent window
+      (sinks included), ``'older'`` [older];
+    * ``pool_edge``: pooling runs across the whole cache, so the last candidates also average the recent window's
+      attention, ``'through'``, or only over the slots before the recent window with zero padding at both ends,
+      ``'zero'`` [zero];
+    * ``pool_order``: pooling neighbours are the neighbouring tokens, ``'position'``, or the neighbouring slots of
+      the reference's physical layout after its compactions (sinks, then protected values by decreasing magnitude,
+      then the sampled tokens in draw order, then newer tokens), ``'slot'`` [slot]; ``'slot'`` keeps that layout in
+      the per-slot state ``order`` and needs ``pool_edge='zero'``.
     """
 
-    def __init__(self, window: int = 64, kernel: int = 5, pool: str = "avg", head_reduce: str = "group"):
+    def __init__(
+        self,
+        window: int = 64,
+        kernel: int = 5,
+        pool: str = "avg",
+        head_reduce: str = "group",
+        softmax: str = "all",
+        pool_edge: str = "through",
+        pool_order: str = "position",
+        attention_temperature: float = 1.0,
+    ):
+        for name, value, allowed in (
+            ("softmax", softmax, SOFTMAX_DOMAINS),
+            ("pool_edge", pool_edge, POOL_EDGES),
+            ("pool_order", pool_order, POOL_ORDERS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if pool_order == "slot" and pool_edge != "zero":
+            raise ValueError("pool_order='slot' (the reference's slot layout) needs pool_edge='zero'")
+        if not float(attention_temperature) > 0:
+            raise ValueError(f"attention_temperature must be > 0, got {attention_temperature}")
         self.window, self.kernel, self.pool, self.head_reduce = window, kernel, pool, head_reduce
+        self.softmax, self.pool_edge, self.pool_order = softmax, pool_edge, pool_order
+        self.attention_temperature = float(attention_temperature)
+        self.state_names = ("order",) if pool_order == "slot" else ()
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
-        probs, n = window_attention(ctx)
-        mean = probs.sum(3) / n.clamp_min(1).view(-1, 1, 1, 1).to(probs.dtype)  # [b, H, G, S]
-        return reduce_heads(pool_tokens(mean, self.kernel, self.pool), self.head_reduce)
+        older = ctx.older() if (self.softmax == "older" or self.pool_edge == "zero") else None
+        probs, seen = window_attention(
+            ctx, domain=older if self.softmax == "older" else None, temperature=self.attention_temperature
+        )
+        mean = probs.sum(3) / seen.clamp_min(1).unsqueeze(2).to(probs.dtype)  # [b, H, G, S]
+        if self.pool_edge == "through":
+            pooled = pool_tokens(mean, self.kernel, self.pool)
+        else:
+            order = ctx.positions.float()
+            if self.pool_order == "slot":
+                stored = ctx.state["order"]
+                order = torch.where(stored < 0, stored, order)
+            pooled = pool_in_order(mean, older, order, self.kernel, self.pool)
+        return reduce_heads(pooled, self.head_reduce)
 
     def describe(self) -> str:
-        return f"window attention (window {self.window}, {self.pool}-pool {self.kernel}, mean over {self.head_reduce})"
+        extra = ""
+        if (self.softmax, self.pool_edge, self.pool_order) != ("all", "through", "position"):
+            extra = f", softmax over {self.softmax}, pool edge {self.pool_edge}, pool order {self.pool_order}"
+        if self.attention_temperature != 1.0:
+            extra += f", attention temperature {self.attention_temperature:g}"
+        return (
+            f"window attention (window {self.window}, {self.pool}-pool {self.kernel}, mean over {self.head_reduce}"
+            f"{extra})"
+        )
 
 
 class AccumulatedAttention(Scorer):
@@ -228,13 +331,19 @@ class Leverage(Scorer):
     """Approximate leverage of keys and values under a Gaussian projection: score = ||k G||^2 * ||v G||^2, normalised
     to sum to 1 over the valid slots of each (row, KV head).
 
-    G ~ N(0, 1/rank) of shape ``[head_dim, rank]``, one per (row, layer, KV head). ``fresh=False`` draws it once per
-    sequence (CurDKV, Sengupta et al. 2025, arXiv 2509.15038, Sec. 3); ``fresh=True`` draws it afresh at every
-    eviction (VaSE-DKV, arXiv 2606.03928, Sec. 3.3).
+    G ~ N(0, 1/rank) of shape ``[head_dim, rank]``, one per (row, layer, KV head) with ``projection='head'``, or one
+    per (row, layer) shared by the layer's KV heads with ``projection='row'`` (as the reference code of VaSE-DKV
+    draws it). ``fresh=False`` draws it once per sequence (CurDKV, Sengupta et al. 2025, arXiv 2509.15038, Sec. 3);
+    ``fresh=True`` draws it afresh at every eviction (VaSE-DKV, arXiv 2606.03928, Sec. 3.3).
+
+    Raises:
+        ValueError: for a projection other than 'head' or 'row'.
     """
 
-    def __init__(self, rank: int = 20, fresh: bool = True):
-        self.rank, self.fresh = rank, fresh
+    def __init__(self, rank: int = 20, fresh: bool = True, projection: str = "head"):
+        if projection not in ("head", "row"):
+            raise ValueError(f"projection must be 'head' (one G per KV head) or 'row' (shared), got {projection!r}")
+        self.rank, self.fresh, self.projection = rank, fresh, projection
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         b, h, s, d = ctx.keys.shape
@@ -244,7 +353,7 @@ class Leverage(Scorer):
             ctx.row_keys.view(b, 1, 1, 1),
             ctx.layer_idx,
             ev.view(b, 1, 1, 1),
-            torch.arange(h, device=dev).view(1, h, 1, 1),
+            torch.arange(h, device=dev).view(1, h, 1, 1) if self.projection == "head" else 0,
             torch.arange(d, device=dev).view(1, 1, d, 1),
             torch.arange(self.rank, device=dev).view(1, 1, 1, self.rank),
             STREAM_PROJECTION,
@@ -256,7 +365,8 @@ class Leverage(Scorer):
 
     def describe(self) -> str:
         kind = "fresh at every eviction" if self.fresh else "fixed per sequence"
-        return f"leverage ||KG||^2 ||VG||^2 (rank {self.rank}, projection {kind})"
+        shared = "per KV head" if self.projection == "head" else "shared by the KV heads"
+        return f"leverage ||KG||^2 ||VG||^2 (rank {self.rank}, projection {kind}, {shared})"
 
 
 class RedundancyAware(Scorer):

@@ -32,6 +32,7 @@ _INVALID = float("-inf")
 
 GUARD_METRICS = ("range", "l2", "var", "random")
 GUARD_MODES = ("protect", "evict")
+GUARD_SINKS = ("outside", "inside")
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,18 @@ class ValueGuard:
     variance over head_dim, ``random`` = random slots (the paper's control). ``mode='evict'`` demotes those entries
     below every other candidate instead (the paper's "evict the largest values first" ablation).
 
+    ``sinks='inside'`` counts the sink tokens inside the protected share, as the reference code does
+    (``round(share * budget) - sinks`` value slots are protected); ``'outside'`` protects ``round(share * budget)``
+    value slots on top of the sinks.
+
     Raises:
-        ValueError: for an unknown metric or mode, or a share outside [0, 1).
+        ValueError: for an unknown metric, mode or sinks rule, or a share outside [0, 1).
     """
 
     metric: str = "range"
     share: float = 0.25
     mode: str = "protect"
+    sinks: str = "outside"
 
     def __post_init__(self):
         if self.metric not in GUARD_METRICS:
@@ -59,10 +65,13 @@ class ValueGuard:
             raise ValueError(f"unknown value-guard mode {self.mode!r}; choose one of {', '.join(GUARD_MODES)}")
         if not 0.0 <= self.share < 1.0:
             raise ValueError(f"protected share must be in [0, 1), got {self.share}")
+        if self.sinks not in GUARD_SINKS:
+            raise ValueError(f"guard_sinks must be one of {', '.join(GUARD_SINKS)}, got {self.sinks!r}")
 
-    def count(self, budget: int) -> int:
-        """Number of protected slots per (row, KV head) for a budget in tokens."""
-        return int(round(self.share * budget))
+    def count(self, budget: int, sinks: int = 0) -> int:
+        """Number of value slots protected per (row, KV head), for a budget and a sink count in tokens."""
+        n = int(round(self.share * budget))
+        return max(n - sinks, 0) if self.sinks == "inside" else n
 
     def magnitude(self, ctx: EvictionContext) -> torch.Tensor:
         """``[b, H, S]`` float32 value magnitude of every slot under ``metric``."""
@@ -77,7 +86,8 @@ class ValueGuard:
 
     def describe(self) -> str:
         verb = "protects" if self.mode == "protect" else "evicts first"
-        return f"value guard ({verb} top {self.share:.0%} of budget by {self.metric})"
+        where = ", sinks inside the share" if self.sinks == "inside" else ""
+        return f"value guard ({verb} top {self.share:.0%} of budget by {self.metric}{where})"
 
 
 class Selector:
@@ -101,9 +111,14 @@ class TopK(Selector):
 class Sample(Selector):
     """Sampling without replacement, probability proportional to ``score ** (1 / temperature)`` (VaSE, Sec. 3.2).
 
+    ``temperature`` here is the policy option ``sampling_temperature``: an exponent on the scores (1 = proportional
+    to the score, as the paper; -> 0 approaches top-k). It is not the reference code's ``temperature``, which divides
+    the attention logits (the option ``attention_temperature`` of window-attention scorers).
+
     Implemented as Gumbel-top-k: ``log(score) / temperature + Gumbel``; the noise comes from :mod:`vase.rng`, keyed on
     the row's seed, the layer, the row's eviction count, the head and the token's position. Scores <= 0 are never
-    drawn before a positive one.
+    drawn before a positive one. The order of the kept slots by decreasing key is a valid draw order of sequential
+    sampling without replacement (``torch.multinomial(..., replacement=False)``).
 
     Raises:
         ValueError: if ``temperature <= 0``.
@@ -111,7 +126,7 @@ class Sample(Selector):
 
     def __init__(self, temperature: float = 1.0):
         if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+            raise ValueError(f"sampling_temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
 
     def keys(self, scores: torch.Tensor, ctx: EvictionContext) -> torch.Tensor:
@@ -120,7 +135,7 @@ class Sample(Selector):
         return torch.where(scores > 0, logp + noise, torch.full_like(logp, -_KEY_LIMIT))
 
     def describe(self) -> str:
-        return f"sampling without replacement (temperature {self.temperature:g})"
+        return f"sampling without replacement (sampling temperature {self.temperature:g})"
 
 
 @dataclass
@@ -198,22 +213,55 @@ def select(
         pr = torch.where(cand, key, torch.full_like(key, _INVALID))
         pr = torch.where(forced.unsqueeze(1), torch.full_like(pr, _FORCED), pr)
 
-    protected = None
-    n_protect = guard.count(ctx.budget) if guard is not None else 0
+    protected = mag = None
+    n_protect = guard.count(ctx.budget, ctx.sinks) if guard is not None else 0
     if n_protect > 0:
-        protected, pr = _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect)
+        protected, pr, mag = _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect)
 
     with record_function("vase.select"):
         top = _top(pr, kmax)[1]
         rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, 1, 1)
         idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
         idx = idx.masked_fill(idx == s, 0)
+        if "order" in ctx.state:
+            _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced)
     return Selection(indices=idx, forced=forced, protected=protected, scores=scores)
+
+
+def _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced) -> None:
+    """Write, into the per-slot state ``order``, the place each kept slot would take in the physical layout of the
+    reference code of VaSE after this compaction: sinks first (by position), then the protected values by decreasing
+    magnitude, then the other kept candidates by decreasing selection key (the draw order when sampling). These get
+    ``rank - budget`` (negative); the recent window gets 0, meaning "ordered by position, after all of those".
+    Pooling with ``pool_order='slot'`` then follows the reference's layout (arXiv 2606.03928 code, issue #9 point 4).
+    """
+    b, h, s = key.shape
+    kept = torch.zeros((b, h, s), dtype=torch.bool, device=key.device)
+    kept.scatter_(-1, idx, rank_ok.expand_as(idx))
+    sink = ctx.sink_mask().unsqueeze(1).expand(b, h, s)
+    recent = forced.unsqueeze(1).expand(b, h, s) & ~sink
+    prot = protected if protected is not None else torch.zeros_like(kept)
+    tier = torch.zeros((b, h, s), dtype=torch.long, device=key.device)
+    tier = torch.where(kept & ~recent, torch.ones_like(tier), tier)
+    tier = torch.where(kept & prot, torch.full_like(tier, 2), tier)
+    tier = torch.where(sink, torch.full_like(tier, 3), tier)
+    within = key.double()
+    if mag is not None:
+        within = torch.where(prot, mag.double(), within)
+    within = torch.where(sink, -ctx.positions.double(), within)
+    within = torch.where(tier > 0, within, torch.full_like(within, float("-inf")))
+    by_within = torch.sort(within, dim=-1, descending=True, stable=True).indices
+    by_tier = torch.sort(tier.gather(-1, by_within), dim=-1, descending=True, stable=True).indices
+    order = by_within.gather(-1, by_tier)  # slots in the reference's layout order
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=key.device).expand(b, h, s))
+    new = torch.where(tier > 0, (rank - ctx.budget).float(), torch.zeros((b, h, s), device=key.device))
+    ctx.state["order"].copy_(new)
 
 
 @record_function("vase.guard")
 def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
-    """Protect (or demote) the top ``n_protect`` candidates by value magnitude; returns (mask, priorities)."""
+    """Protect (or demote) the top ``n_protect`` candidates by value magnitude; returns (mask, priorities,
+    magnitudes)."""
     b, h, s = pr.shape
     n_choose = (keep - forced.sum(-1)).clamp_min(0)  # [b]
     cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
@@ -225,4 +273,4 @@ def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
     protected.scatter_(-1, top_i, ok)
     tier = _PROTECTED if guard.mode == "protect" else _DEMOTED
     pr = torch.where(protected, torch.full_like(pr, tier), pr)
-    return protected, pr
+    return protected, pr, mag
