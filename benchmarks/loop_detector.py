@@ -2,7 +2,7 @@
 
 .venv/bin/python benchmarks/loop_detector.py                               # held-out split (the figures in the docs)
 .venv/bin/python benchmarks/loop_detector.py --split dev                   # the split the thresholds were chosen on
-.venv/bin/python benchmarks/loop_detector.py --completions runs/eval-gsm8k  # also cut the finished completions there
+.venv/bin/python benchmarks/loop_detector.py --completions runs/eval-gsm8k-loops  # + finished completions
 
 Natural text (every flag should stay silent), each piece cut at a uniformly random character:
   gsm8k      reference solutions of ../shared/data/reasoning/gsm8k.jsonl (calculator marks <<...>> removed), 2 cuts
@@ -17,13 +17,15 @@ times and over at least 200 characters (200-1,000), cut at a random point of the
   numbers    a sentence with numbers (natural, or a calculation template); every repetition draws new numbers
   tokens     a word or 2-3 words, with a random whitespace separator (" ", "  ", "\\n", "\\n\\n", "\\t") each time
   case       a stretch of 10-300 characters whose first letter changes case and last punctuation mark changes
+  drift      a sentence repeated verbatim, then a last repetition in which one word is another, cut after that word
 Items are split by index parity (dev = even, test = odd; shakespeare: first / second half of the file) and the
 random cuts use another seed in each split, so the thresholds in src/vase/loops.py were set on text that the test
 figures never saw. Rates come with a 95% Wilson interval.
 
-Flags compared: `loop` (vase.loops.ends_in_loop, the text check of the reported loop rate), `paper` (the VaSE
-reference regex, vase.loops.paper_loop) and `old` (the flag vase reported before, "a 10-character unit occurs 3
-times in the last 500 characters", reimplemented here for comparison only).
+Flags compared: `loop` (vase.loops.ends_in_loop, the text check of the reported loop rate), `loop, no drift` (the
+same with the run required to reach the very end), `paper` (the VaSE reference regex, vase.loops.paper_loop) and
+`old` (the flag vase reported before, "a 10-character unit occurs 3 times in the last 500 characters",
+reimplemented here for comparison only).
 """
 
 from __future__ import annotations
@@ -64,7 +66,17 @@ def old_flag(text: str) -> bool:
     return False
 
 
-FLAGS: dict[str, Callable[[str], bool]] = {"loop": ends_in_loop, "paper": paper_loop, "old": old_flag}
+def end_anchored(text: str) -> bool:
+    """The loop check without the drift allowance: the run must reach the end of the text."""
+    return find_loop(text, drift=False) is not None
+
+
+FLAGS: dict[str, Callable[[str], bool]] = {
+    "loop": ends_in_loop,
+    "loop, no drift": end_anchored,
+    "paper": paper_loop,
+    "old": old_flag,
+}
 
 
 # --- natural text ---------------------------------------------------------------------------------------------------
@@ -229,6 +241,10 @@ def constructed_loops(split: str, per_kind: int = 300, min_chars: int = 200, max
         unit = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
         return lambda: unit + rng.choice(SEPARATORS)
 
+    def drift():
+        unit = rng.choice(sentences) + rng.choice(SEPARATORS)
+        return lambda: unit
+
     def case():
         unit = _stretch(rng, rng.choice(pool), 10, 300)
         while len(unit) < 10:
@@ -245,7 +261,24 @@ def constructed_loops(split: str, per_kind: int = 300, min_chars: int = 200, max
     out = {}
     for name, factory in kinds.items():
         out[name] = [prefix() + _repeat(rng, factory(), min_chars, max_chars) for _ in range(per_kind)]
+    out["drift"] = []
+    for _ in range(per_kind):
+        make = drift()
+        loop = _repeat(rng, make, min_chars, max_chars)
+        unit = make()
+        cut = len(loop) - len(loop) % len(unit) if len(loop) % len(unit) else len(loop)  # end of the full repetitions
+        out["drift"].append(prefix() + loop[:cut] + _drifted(rng, unit, words))
     return out
+
+
+def _drifted(rng: random.Random, unit: str, words: list[str]) -> str:
+    """The unit with one word swapped for another (of any length), cut at a random point after the swap."""
+    spans = [m.span() for m in re.finditer(r"[A-Za-z]+", unit)]
+    if not spans:
+        return unit[: rng.randrange(len(unit))]
+    a, b = rng.choice(spans)
+    changed = unit[:a] + rng.choice(words) + unit[b:]
+    return changed[: rng.randint(a + 1, len(changed))]
 
 
 def boundary_loops(split: str, per_cell: int = 100) -> dict:

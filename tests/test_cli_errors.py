@@ -190,3 +190,9 @@ def test_bench_out_is_a_file(no_loading, tmp_path):
     out = tmp_path / "bench.txt"
     out.write_text("")
     assert f"--out {out} is a file, not a folder" in _error(["bench", "--out", str(out)], no_loading)
+
+
+def test_fidelity_planting_needs_layers_and_tokens(no_loading, tmp_path):
+    for extra in (["--plant-layers", "4"], ["--plant-tokens", "3"]):
+        msg = _error(["fidelity", "--out", str(tmp_path / "f"), *extra], no_loading)
+        assert "planting value outliers needs both --plant-layers and --plant-tokens (> 0)" in msg

@@ -62,6 +62,14 @@ LOOPING = {
     "case and punctuation vary": "Hmm. "
     + "".join(f"{w} me recompute this sum{p} " for w, p in [("Let", "."), ("let", ",")] * 6),
     "loop at the end of unrelated text": NOISE + " I am stuck here, let me think." * 6,
+    # the last repetition drifts (another word, another number length): seen in real completions at the limit
+    "last repetition drifts": "Janet lays out 16 ducks.\n\n"
+    + "The total number of ducks that Janet lays out every day is 16 ducks * 3 days = 48 ducks.\n\n" * 4
+    + "The final answer is 16 ducks * 3",
+    "numbers change, then the wording": "".join(
+        f"So, {k} + {k + 1} = {2 * k + 1} cups of feed.\n" for k in (9, 18, 37, 74, 149)
+    )
+    + "Therefore, 149 + 150 = 299 cups",
 }
 
 NOT_LOOPING = {
@@ -120,8 +128,14 @@ def test_what_find_loop_reports():
     unit = " I will now recompute every step of this problem slowly and carefully, starting from the top."
     assert find_loop(PROSE + unit * 2) is None
     assert find_loop(PROSE + unit * 3).repeats == 3
-    # only the end counts
+    # only the end counts: the run may stop at most 1.5 units before it (the drift)
     assert find_loop(" I am stuck here, let me think." * 6 + NOISE) is None
+    drifted = find_loop(LOOPING["last repetition drifts"])
+    assert (drifted.period, drifted.repeats, drifted.drift) == (89, 4, 28)
+    assert find_loop(LOOPING["last repetition drifts"], drift=False) is None
+    stuck = " I am stuck here, let me think." * 6  # 31 normalised characters a unit: up to 46 may follow
+    assert find_loop(stuck + " Now I see it: the answer is twelve.").drift == 35  # its first space repeats
+    assert find_loop(stuck + " Now I see it: the answer is twelve apples, I think.") is None  # 51 characters after
 
 
 def test_numbers_only_units():

@@ -19,11 +19,13 @@ loops whose numbers change and token loops with varying whitespace repeat exactl
 characters before them, going back from the end; a window matches when at most :data:`MISMATCH_SHARE` of its
 characters differ. ``k`` matching windows in a row make ``k + 1`` repetitions covering ``(k + 1) * p``
 characters. A loop is at least :data:`MIN_REPEATS` repetitions covering at least :data:`MIN_SPAN` normalised
-characters, reaching the end of the text (a partial last repetition is fine: windows are aligned on the end). A
-unit shorter than 5 characters (``"the "``) is found through its multiples (``"the the "``). A unit without any
-letter (a table or list of numbers, ``"0 & 0 \\\\ "``) counts with changing numbers only over
-:data:`NUMBERS_MIN_SPAN` characters; with its numbers unchanged (``"4200 + 4200 = 8400"`` again and again) the
-usual thresholds apply. The thresholds were set on the dev half of the benchmark's data and measured on the other.
+characters, reaching the end of the text (a partial last repetition is fine: windows are aligned on the end) or
+stopping at most :data:`DRIFT_UNITS` units before it (the last repetition drifted: a word or a number of another
+length changed, as real completions cut at the limit do). A unit shorter than 5 characters (``"the "``) is found
+through its multiples (``"the the "``). A unit without any letter (a table or list of numbers, ``"0 & 0 \\\\ "``)
+counts with changing numbers only over :data:`NUMBERS_MIN_SPAN` characters; with its numbers unchanged
+(``"4200 + 4200 = 8400"`` again and again) the usual thresholds apply. The thresholds were set on the dev half of
+the benchmark's data and measured on the other; the drift allowance was added after reading real completions.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ MAX_UNIT = 300  # normalised characters
 MIN_REPEATS = 3  # repetitions of the unit, the first one included
 MIN_SPAN = 120  # normalised characters covered by the repetitions
 NUMBERS_MIN_SPAN = 300  # normalised characters, for a unit of numbers and signs only whose numbers change
+DRIFT_UNITS = 1.5  # the text may go on this many units (of the loop's period) after the run: the drift
 MISMATCH_SHARE = 0.1  # share of a unit's characters allowed to differ from the previous repetition
 TAIL_CHARS = 4000  # raw characters read from the end; enough for 300-character units repeated over 10 times
 
@@ -59,12 +62,15 @@ class Loop:
         period: its length in normalised characters.
         repeats: repetitions in the run, the first one included (a partial last one not counted).
         span: normalised characters covered, ``repeats * period``.
+        drift: normalised characters after the run (0: the run reaches the end), at most :data:`DRIFT_UNITS`
+            units of the shortest period.
     """
 
     unit: str
     period: int
     repeats: int
     span: int
+    drift: int = 0
 
 
 def normalise(text: str, numbers: bool = True) -> str:
@@ -74,10 +80,10 @@ def normalise(text: str, numbers: bool = True) -> str:
     return _SPACE.sub(" ", _NUMBER.sub("0", text) if numbers else text).rstrip()
 
 
-def _matching_windows(s: str, p: int, allowed: int, enough: int) -> int:
-    """How many windows ``s[e - p : e]`` in a row, from ``e = len(s)`` back by ``p``, differ from the ``p``
-    characters before them in at most ``allowed`` positions; counting stops at ``enough``."""
-    count, end = 0, len(s)
+def _matching_windows(s: str, p: int, allowed: int, enough: int, end: int | None = None) -> int:
+    """How many windows ``s[e - p : e]`` in a row, from ``e = end`` (default ``len(s)``) back by ``p``, differ from
+    the ``p`` characters before them in at most ``allowed`` positions; counting stops at ``enough``."""
+    count, end = 0, len(s) if end is None else end
     while end - 2 * p >= 0 and count < enough:
         cur, prev = s[end - p : end], s[end - 2 * p : end - p]
         if cur != prev:
@@ -92,12 +98,41 @@ def _matching_windows(s: str, p: int, allowed: int, enough: int) -> int:
     return count
 
 
+def _drifted_end(s: str, p: int, slack: int) -> int | None:
+    """The end of a run of period ``p`` that stops at most ``slack`` characters before the end of ``s`` (the last
+    repetition drifted: other words, or a number of another length), or None.
+
+    Probes every ``p // 4`` characters back from the end for a window equal to the one before it (inside a
+    periodic run every window is), then walks forward to where the run stops.
+    """
+    n = len(s)
+    for d in range(max(1, p // 4), slack + 1, max(1, p // 4)):
+        e = n - d
+        if e - 2 * p < 0:
+            return None
+        if s[e - p : e] == s[e - 2 * p : e - p]:
+            while e < n and s[e] == s[e - p]:
+                e += 1
+            return e if e < n else None
+    return None
+
+
+def _primitive_period(unit: str) -> int:
+    """The length of the shortest ``u`` with ``unit == u * k`` (``"abab"`` -> 2)."""
+    p = len(unit)
+    for q in range(1, p // 2 + 1):
+        if p % q == 0 and unit == unit[:q] * (p // q):
+            return q
+    return p
+
+
 def find_loop(
     text: str,
     min_repeats: int = MIN_REPEATS,
     min_span: int = MIN_SPAN,
     mismatch_share: float = MISMATCH_SHARE,
     tail_chars: int = TAIL_CHARS,
+    drift: bool = True,
 ) -> Loop | None:
     """The loop the text ends in, or None (see the module docstring for the method).
 
@@ -113,6 +148,8 @@ def find_loop(
         min_span: normalised characters the repetitions must cover.
         mismatch_share: share of a unit's characters that may differ from the previous repetition.
         tail_chars: raw characters read from the end.
+        drift: also accept a run that stops at most :data:`DRIFT_UNITS` units (of its shortest period) before the
+            end (:func:`_drifted_end`).
 
     Returns:
         a :class:`Loop`, or None. Never raises for any string; a few milliseconds on natural text.
@@ -120,15 +157,25 @@ def find_loop(
     tail = text[-tail_chars:] if tail_chars > 0 else ""
     best: Loop | None = None
     for s, needs_letter in ((normalise(tail), True), (normalise(tail, numbers=False), False)):
-        for p in range(MIN_UNIT, min(MAX_UNIT, len(s) // 2) + 1):
-            repeats = _matching_windows(s, p, int(mismatch_share * p), len(s)) + 1
-            span = repeats * p
-            if repeats < min_repeats or span < min_span or (best is not None and span <= best.span):
-                continue
-            unit = s[len(s) - p :]
-            if needs_letter and span < NUMBERS_MIN_SPAN and not _LETTER.search(unit):
-                continue
-            best = Loop(unit=unit, period=p, repeats=repeats, span=span)
+        n = len(s)
+        for p in range(MIN_UNIT, min(MAX_UNIT, n // 2) + 1):
+            allowed = int(mismatch_share * p)
+            ends = [n]
+            if drift:
+                drifted = _drifted_end(s, p, int(DRIFT_UNITS * p))
+                if drifted is not None:
+                    ends.append(drifted)
+            for end in ends:
+                repeats = _matching_windows(s, p, allowed, n, end) + 1
+                span = repeats * p
+                if repeats < min_repeats or span < min_span or (best is not None and span <= best.span):
+                    continue
+                unit = s[end - p : end]
+                if needs_letter and span < NUMBERS_MIN_SPAN and not _LETTER.search(unit):
+                    continue
+                if n - end > DRIFT_UNITS * _primitive_period(unit):  # a multiple of the unit gets no more drift
+                    continue
+                best = Loop(unit=unit, period=p, repeats=repeats, span=span, drift=n - end)
     return best
 
 
