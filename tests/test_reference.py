@@ -201,7 +201,7 @@ def test_pooling_through_the_recent_boundary():
     scores = {}
     for softmax in ("older", "all"):
         for edge in ("zero", "through"):
-            policy = make_policy(f"vase:softmax={softmax}:pool_edge={edge}")
+            policy = make_policy(f"vase:softmax={softmax}:pool_edge={edge}:pool_order=position")
             ctx, _ = context(keys, values, queries, policy)
             scores[softmax, edge] = policy.scorer.score(ctx)
     old = slice(0, S - BUFFER)  # the slots before the recent window (the ones scored)
@@ -446,6 +446,16 @@ def test_cli_spec_builds_the_published_preset():
     assert p.guard.sinks == "inside" and p.guard.count(1024, 4) == 252
     q = make_policy("vase_dkv:preset=paper")
     assert q.scorer.projection == "row" and q.published
+    # plain vase: the published selection (chosen by measurement), prompt compressed, no preset rules
+    v = make_policy("vase")
+    assert (v.scorer.softmax, v.scorer.pool_edge, v.scorer.pool_order, v.guard.sinks) == (
+        "older",
+        "zero",
+        "slot",
+        "inside",
+    )
+    assert v.compress_prompt and not v.published
+    assert make_policy("vase_dkv").scorer.projection == "row"
 
 
 def test_published_budget_rules_and_ratio_rounding():

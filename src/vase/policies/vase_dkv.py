@@ -15,7 +15,7 @@ from .vase import resolve_preset
 NAME = "vase_dkv"
 SOURCE = "VaSE-DKV, arXiv 2606.03928, Sec. 3.3"
 KEEPS = "sinks + recent + highest key-value leverage (projection redrawn each eviction)"
-DEFAULTS = {"rank": 20, "projection": "head"}
+DEFAULTS = {"rank": 20, "projection": "row"}  # one G shared by the KV heads, as published (docs/RESULTS.md section 5)
 PAPER = {"projection": "row", "prompt": "dense"}
 
 
