@@ -672,20 +672,7 @@ class EvictingCache(Cache):
         profile: bool = False,
         **policy_options,
     ):
-        for name, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer number of tokens, got {value!r}")
-        if buffer < 1:
-            raise ValueError(f"buffer must be >= 1 token, got {buffer}")
-        if sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {sinks}")
-        if budget <= sinks + buffer:
-            raise ValueError(
-                f"budget ({budget}) must be larger than sinks + buffer ({sinks} + {buffer} = {sinks + buffer}): "
-                "raise the budget or lower the buffer"
-            )
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive number of queries, got {window!r}")
+        check_sizes(budget, buffer, sinks, window)
         if isinstance(seed, (list, tuple)):
             if not all(isinstance(s, int) and not isinstance(s, bool) for s in seed) or not seed:
                 raise ValueError(f"seed must be an int or a non-empty list of ints, got {seed!r}")
@@ -824,7 +811,7 @@ class EvictingCache(Cache):
             self._row_limit = [self._first_limit(cnt) for cnt in n]
             self.capacity = max(self._row_limit)
         if self.policy.evicts:
-            limit = [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
+            limit = self._limits()
             evict_rows = [i for i, (cnt, lim) in enumerate(zip(n, limit)) if cnt >= lim]
             keep = [self.budget if cnt >= lim else cnt for cnt, lim in zip(n, limit)]
         else:
@@ -868,8 +855,12 @@ class EvictingCache(Cache):
         """
         if self.capacity is None or not self.policy.evicts:
             raise RuntimeError("room() is known after the first forward pass, for an evicting policy")
-        limits = [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
-        return [lim - f for lim, f in zip(limits, self._fill)]
+        return [lim - f for lim, f in zip(self._limits(), self._fill)]
+
+    def _limits(self) -> list[int]:
+        """Fill (tokens) at which each row evicts next: its first limit until its first eviction, then
+        budget + buffer."""
+        return [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
 
     def _layer_done(self, layer: EvictingLayer) -> None:
         step = self._step
@@ -949,6 +940,38 @@ def _decoder(model):
     get = getattr(model, "get_decoder", None)
     dec = get() if callable(get) else None
     return dec if dec is not None else model
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sizes(budget: int | None, buffer: int, sinks: int, window: int | None = None) -> None:
+    """The size rules of an :class:`EvictingCache` (tokens; ``budget`` None: not known yet, e.g. from a ratio).
+
+    Raises:
+        ValueError: a non-integer size, buffer < 1, sinks < 0, budget not larger than sinks + buffer, window < 1.
+    """
+    for name, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks)):
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name} must be an integer number of tokens, got {value!r}")
+    if buffer < 1:
+        raise ValueError(f"buffer must be >= 1 token, got {buffer}")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0 tokens, got {sinks}")
+    if budget is not None and budget <= sinks + buffer:
+        raise ValueError(
+            f"budget ({budget}) must be larger than sinks + buffer ({sinks} + {buffer} = {sinks + buffer}): "
+            "raise the budget or lower the buffer"
+        )
+    if window is not None and (not _is_int(window) or window < 1):
+        raise ValueError(f"window must be a positive number of queries, got {window!r}")
+
+
+def published_budget(budget: int, buffer: int) -> int:
+    """``budget`` rounded to the nearest multiple of ``buffer`` (at least two buffers): the budgets the published
+    method can take, for budgets derived from a compression ratio."""
+    return max(round(budget / buffer), 2) * buffer
 
 
 def check_published(policy: Policy, budget: int, buffer: int, window: int) -> None:

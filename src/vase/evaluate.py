@@ -49,6 +49,14 @@ class RunConfig(BaseModel):
             make_policy(spec)  # raises with the list of valid names, or the bad option
         return v
 
+    @property
+    def has_published(self) -> bool:
+        """Whether a policy of the sweep is the published preset (``preset=paper``): budgets derived from ratios
+        are then rounded to multiples of the buffer, for every policy alike."""
+        from .policies import make_policy
+
+        return any(make_policy(p).published for p in self.policies)
+
     @field_validator("ratios", check_fields=False)
     @classmethod
     def _ratios(cls, v):
@@ -332,9 +340,8 @@ def run_sweep(
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
     """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
     rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
-    from .policies import make_policy
+    from .cache import published_budget
 
-    published = any(make_policy(p).published for p in config.policies)
     out = {}
     for task, plist in problems.items():
         if not config.ratios or not plist:
@@ -343,8 +350,8 @@ def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> d
         total = statistics.median(lengths) + config.max_new_tokens
         for r in config.ratios:
             budget = max(math.ceil(total / r), config.buffer + 5)
-            if published:  # the published method takes multiples of the buffer; every policy gets the same budget
-                budget = max(round(budget / config.buffer), 2) * config.buffer
+            if config.has_published:  # multiples of the buffer for the published method; the same for every policy
+                budget = published_budget(budget, config.buffer)
             out[(task, r)] = budget
     return out
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from .cache import published_budget
 from .evaluate import RunConfig, prepare_dir, read_records
 from .outliers import PlantedValues, kept_share
-from .policies import make_policy
 
 SOURCES_FILE = "sources.jsonl"
 RECORDS = "fidelity.jsonl"
@@ -193,7 +193,6 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     path = out / RECORDS
     done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
     plant = bool(config.plant_layers) and config.plant_tokens > 0
-    published = any(make_policy(p).published for p in config.policies)
     sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
     total = len(sources) * len(sizes) * len(config.policies)
     bar = tqdm(total=total, initial=len(done), desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
@@ -204,8 +203,8 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
             length = prompt.numel() + cont.numel()
             for kind, value in sizes:
                 budget = int(value) if kind == "budget" else max(math.ceil(length / value), config.buffer + 5)
-                if kind == "ratio" and published:  # multiples of the buffer for the published preset, for all
-                    budget = max(round(budget / config.buffer), 2) * config.buffer
+                if kind == "ratio" and config.has_published:  # multiples of the buffer, for every policy alike
+                    budget = published_budget(budget, config.buffer)
                 todo = [p for p in config.policies if (s["id"], p, budget) not in done]
                 if not todo:
                     continue

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheStats, EvictingCache, check_published
+from .cache import CacheStats, EvictingCache, _is_int, check_published, check_sizes, published_budget
 from .policies import make_policy
 
 
@@ -26,10 +26,6 @@ def budget_for_ratio(ratio: float, total_tokens: int) -> int:
 
 
 DEFAULT_BUDGET = 1024
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_options(
@@ -62,23 +58,10 @@ def check_options(
 
     if budget is not None and compression_ratio is not None:
         raise ValueError("give either a budget or a compression ratio, not both")
-    if not _is_int(buffer) or buffer < 1:
-        raise ValueError(f"buffer must be >= 1 token, got {buffer!r}")
-    if not _is_int(sinks) or sinks < 0:
-        raise ValueError(f"sinks must be >= 0 tokens, got {sinks!r}")
     if compression_ratio is not None:
         budget_for_ratio(compression_ratio, 1)  # raises for a ratio <= 1
-    else:
-        size = DEFAULT_BUDGET if budget is None else budget
-        if not _is_int(size):
-            raise ValueError(f"budget must be an integer number of tokens, got {size!r}")
-        if size <= sinks + buffer:
-            raise ValueError(
-                f"budget ({size}) must be larger than sinks + buffer ({sinks} + {buffer} = {sinks + buffer}): "
-                "raise the budget or lower the buffer"
-            )
-    if window is not None and (not _is_int(window) or window < 1):
-        raise ValueError(f"window must be a positive number of queries, got {window!r}")
+    size = None if compression_ratio is not None else (DEFAULT_BUDGET if budget is None else budget)
+    check_sizes(size, buffer, sinks, window)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
     if not _is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
@@ -263,7 +246,7 @@ def generate(
         budget = budget_for_ratio(compression_ratio, prompt_len + max_new_tokens)
         budget = max(budget, sinks + buffer + 1)
         if make_policy(policy, **policy_options).published:  # the published method takes multiples of the buffer
-            budget = max(round(budget / buffer), 2) * buffer
+            budget = published_budget(budget, buffer)
     elif budget is None:
         budget = DEFAULT_BUDGET
     batch = len(prompts)
