@@ -184,19 +184,23 @@ def weight_by_value(probs: torch.Tensor, values: torch.Tensor, how: str) -> torc
         raise ValueError(f"value_weight must be one of {', '.join(VALUE_WEIGHTS)}, got {how!r}")
     b, h, g, w, s = probs.shape
     v = values.float()  # [b, H, S, D]
+    mass = probs.sum((2, 3, 4), keepdim=True)  # [b, H, 1, 1, 1]
     if how == "l1":
-        weighted = probs * v.abs().sum(-1).view(b, h, 1, 1, s)
-    else:
-        flat = probs.view(b, h, g * w, s)
-        out = torch.matmul(flat, v)  # [b, H, G*W, D] attention output of each query over the held slots
-        # ||v_i - o||^2 = ||v_i||^2 - 2 v_i.o + ||o||^2, without materialising [b, H, G*W, S, D]
-        sq = v.pow(2).sum(-1).unsqueeze(2) - 2.0 * torch.matmul(out, v.transpose(-1, -2)) + out.pow(2).sum(-1, True)
-        err = sq.clamp_min_(0.0).sqrt_().view(b, h, g, w, s)
-        weighted = probs / (1.0 - probs).clamp_min(1e-6) * err
-    mass = probs.sum((2, 3, 4), keepdim=True)
-    total = weighted.sum((2, 3, 4), keepdim=True)
-    scale = torch.where(total > 0, mass / total.clamp_min(1e-30), torch.ones_like(total))
-    return weighted * scale
+        norm = v.abs().sum(-1).view(b, h, 1, 1, s)
+        total = (probs.sum((2, 3), keepdim=True) * norm).sum(-1, keepdim=True)
+        return probs * (norm * _mass_scale(mass, total))
+    out = torch.matmul(probs.view(b, h, g * w, s), v)  # [b, H, G*W, D] attention output of each query
+    # ||v_i - o||^2 = ||v_i||^2 - 2 v_i.o + ||o||^2, without materialising [b, H, G*W, S, D]
+    err = torch.matmul(out, v.transpose(-1, -2)).mul_(-2.0)
+    err.add_(v.pow(2).sum(-1).unsqueeze(2)).add_(out.pow(2).sum(-1, keepdim=True)).clamp_min_(0.0).sqrt_()
+    weighted = torch.rsub(probs, 1.0).clamp_min_(1e-6)
+    torch.div(probs, weighted, out=weighted).mul_(err.view(b, h, g, w, s))  # a / (1 - a) * ||v - o||
+    return weighted.mul_(_mass_scale(mass, weighted.sum((2, 3, 4), keepdim=True)))
+
+
+def _mass_scale(mass: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Per (row, KV head) factor that brings ``total`` back to the attention ``mass`` (1 where total is 0)."""
+    return torch.where(total > 0, mass / total.clamp_min(1e-30), torch.ones_like(total))
 
 
 def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
