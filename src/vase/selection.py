@@ -11,8 +11,8 @@ An eviction keeps, per (batch row, KV head), ``keep[row]`` slots out of ``S``:
    or sampling without replacement with probability proportional to ``score ** (1 / temperature)`` (VaSE, Sec. 3.2),
    done as Gumbel-top-k, which has exactly that distribution.
 
-Every row keeps the same count for all its heads; kept slots come back sorted by slot index, that is by logical
-position, so pooling over slots stays pooling over neighbouring tokens.
+Every row keeps the same count for all its heads (unless ``keep`` is given per head); kept slots come back sorted by
+slot index, that is by logical position, so pooling over slots stays pooling over neighbouring tokens.
 """
 
 from __future__ import annotations
@@ -235,7 +235,8 @@ def select(
 
     Args:
         ctx: the eviction context (``ctx.candidates`` are the slots the policy chooses among).
-        keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count).
+        keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count), or ``[b, H]`` per (row, KV head)
+            (adaptive per-head budgets, :mod:`vase.budgets`).
         kmax: ``max(keep)`` as a Python int.
         forced: ``[b, S]`` bool sinks and recent window.
     Returns:
@@ -257,7 +258,7 @@ def select(
 
     with record_function("vase.select"):
         top = _top(pr, kmax)[1]
-        rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, 1, 1)
+        rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, -1, 1)
         idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
         idx = idx.masked_fill(idx == s, 0)
         if "order" in ctx.state:
@@ -300,12 +301,13 @@ def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
     """Protect (or demote) the top ``n_protect`` candidates by value magnitude (with the outlier rule, only those
     above ``factor`` x their head's median); returns (mask ``[b, H, S]``, priorities, magnitudes)."""
     b, h, s = pr.shape
-    n_choose = (keep - forced.sum(-1)).clamp_min(0)  # [b]
+    n_forced = forced.sum(-1)
+    n_choose = (keep - (n_forced if keep.dim() == 1 else n_forced.view(b, 1))).clamp_min(0)  # [b] or [b, H]
     cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
     mag = guard.magnitude(ctx).masked_fill(~cand, float("-inf"))
     k = min(n_protect, s)
     top_v, top_i = _top(mag, k)
-    ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, 1, 1)) & torch.isfinite(top_v)
+    ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, -1, 1)) & torch.isfinite(top_v)
     if guard.rule == "outlier":
         median = mag.masked_fill(~cand, float("nan")).nanmedian(-1, keepdim=True).values  # [b, H, 1], NaN if none
         ok = ok & (top_v > guard.factor * median)
