@@ -411,11 +411,15 @@ class KeyNorm(Scorer):
 
     Score = ``1 / ||k_i||_2`` (``||k||`` clamped at 1e-6): positive, so it also works with the sampling selector, and
     ordered as "lowest norm first" for top-k. RoPE is a rotation, so the post-RoPE keys in the cache have the
-    pre-RoPE norms. Needs no queries.
+    pre-RoPE norms: the same token at two positions (bit-identical pre-RoPE keys in the first layer) has the same
+    norm up to the rounding of the rotation. Norms are therefore rounded to 12 significant bits (relative step
+    2.4e-4) before ranking: such ties stay ties, broken by slot index like every tie, instead of by rounding noise
+    that differs between batch shapes. Needs no queries.
     """
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
-        return ctx.keys.float().norm(dim=-1).clamp_min(1e-6).reciprocal()
+        mantissa, exponent = torch.frexp(ctx.keys.float().norm(dim=-1).clamp_min(1e-6))
+        return torch.ldexp(torch.round(mantissa * 4096.0) / 4096.0, exponent).reciprocal()
 
     def describe(self) -> str:
         return "low key norm (1 / ||k||_2)"
