@@ -424,3 +424,15 @@ def test_new_options_generate_end_to_end(spec, attn):
     st = cache.stats()
     assert out.shape == (2, 60) and st.evictions >= 4
     assert st.capacity == budget + buffer and cache.layers[0].keys.shape[2] == budget + buffer
+
+
+def test_fidelity_records_guard_counts():
+    from vase.fidelity import guard_counts, replay
+
+    model = tiny_model("llama")
+    prompt, cont = random_ids(12)[0], random_ids(60, seed=3)[0]
+    _, cache = replay(model, prompt, cont, "snapkv:guard=range", 24, 8, record=True)
+    counts = guard_counts(cache)
+    assert counts["protected"] > 0 and counts["protected_per_eviction"] == 6.0  # round(0.25 * 24) per head
+    _, plain = replay(model, prompt, cont, "snapkv", 24, 8, record=True)
+    assert guard_counts(plain) == {}
