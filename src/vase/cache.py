@@ -69,6 +69,8 @@ class CacheStats:
         bytes_held: bytes of the key/value buffers allocated, all layers.
         bytes_full: bytes a full (dynamic) cache would hold for the same tokens, all layers.
         eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
+        protected: value slots the guard protected (or, with ``guard_mode='evict'``, demoted), summed over evictions,
+            layers, rows and KV heads (0 without a guard); with ``guard_rule='outlier'`` the count varies per head.
     """
 
     policy: str
@@ -85,6 +87,7 @@ class CacheStats:
     bytes_held: int
     bytes_full: int
     eviction_seconds: float
+    protected: int = 0
 
     @property
     def compression(self) -> float:
@@ -416,7 +419,7 @@ class EvictingLayer(CacheLayerMixin):
     # ----------------------------------------------------------------------------------------------- eviction
     def _context(self, step, rt, keys, values, positions, valid, state, memo) -> EvictionContext:
         c = self.cache
-        forced, candidates = structural_masks(valid, c.sinks, c.buffer)
+        forced, candidates = structural_masks(valid, c.sinks, c.recent)
         pick = (lambda t: t) if rt is None else (lambda t: t.index_select(0, rt))
         q = qp = qv = None
         if self.queries is not None:
@@ -438,7 +441,7 @@ class EvictingLayer(CacheLayerMixin):
             eviction_index=pick(evs),
             state=state,
             sinks=c.sinks,
-            buffer=c.buffer,
+            buffer=c.recent,
             memo={"latest_query": pick(step.latest_positions()), **memo},
         )
         return ctx, forced
@@ -459,6 +462,9 @@ class EvictingLayer(CacheLayerMixin):
         r = keys.shape[0]
         keep = torch.full((r,), c.budget, dtype=torch.long, device=keys.device)
         sel = c.policy.select(ctx, keep, c.budget, forced)
+        n_protected = None if sel.protected is None else sel.protected.sum(-1)  # [r, H]
+        if n_protected is not None:
+            c._protected = c._protected + n_protected.sum()  # a device tensor: no synchronisation here
         for n, m in self.row_memo.items():
             new = torch.as_tensor(ctx.memo[n], dtype=m.dtype, device=m.device).expand(r)
             if sel_rows is None:
@@ -483,6 +489,9 @@ class EvictingLayer(CacheLayerMixin):
                 "kept": sel.indices.clone(),
                 "kept_positions": positions.gather(2, sel.indices),
                 "n_protect": c.policy.guard.count(c.budget, c.sinks) if c.policy.guard is not None else 0,
+                "n_protected": torch.zeros(sel.indices.shape[:2], dtype=torch.long, device=keys.device)
+                if n_protected is None
+                else n_protected,
             }
         return sel.indices
 
@@ -633,7 +642,8 @@ class EvictingCache(Cache):
         model: a ``transformers`` causal LM (Llama, Qwen3, Mistral, ... families: full attention layers).
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
         budget: tokens kept per (row, layer, KV head) after each eviction.
-        buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps.
+        buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps. The
+            policy option ``recent`` keeps another count of newest tokens instead (see :func:`recent_window`).
         sinks: first tokens of each row always kept (attention sinks), default 4.
         window: saved queries per layer for attention-based scorers (default: the policy's window; the buffer for
             the published preset).
@@ -643,7 +653,8 @@ class EvictingCache(Cache):
             tokens above the prompt (and at least at ``budget + buffer``). Default: the policy's option ``prompt``
             ('compress' unless the policy says 'dense', as ``preset='paper'`` does).
         record_evictions: keep the details of each layer's last eviction in ``layer.last_eviction`` (tests,
-            inspection).
+            inspection; ``n_protect`` is the guard's count or cap, ``n_protected`` ``[rows, KV heads]`` how many
+            each head protected).
         profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
         **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
             temperature, lam, rank; see :func:`vase.make_policy`).
@@ -682,6 +693,7 @@ class EvictingCache(Cache):
         config = model.config.get_text_config(decoder=True)
         check_model_supported(config)
         self.budget, self.buffer, self.sinks = budget, buffer, sinks
+        self.recent = recent_window(self.policy, budget, buffer, sinks)
         # the published method scores with the last `buffer` queries: its window follows the buffer
         default_window = buffer if self.policy.published else self.policy.window
         self.window = window if window is not None else default_window
@@ -712,6 +724,7 @@ class EvictingCache(Cache):
         self._evictions = 0
         self._tokens_evicted = 0
         self._eviction_seconds = 0.0
+        self._protected: torch.Tensor | int = 0
         self._row_keys: torch.Tensor | None = None
         self._step: _Step | None = None
         self._pending_mask: torch.Tensor | None = None
@@ -933,6 +946,7 @@ class EvictingCache(Cache):
             bytes_held=held,
             bytes_full=full,
             eviction_seconds=self._eviction_seconds,
+            protected=int(self._protected),
         )
 
 
@@ -966,6 +980,23 @@ def check_sizes(budget: int | None, buffer: int, sinks: int, window: int | None 
         )
     if window is not None and (not _is_int(window) or window < 1):
         raise ValueError(f"window must be a positive number of queries, got {window!r}")
+
+
+def recent_window(policy: Policy, budget: int | None, buffer: int, sinks: int) -> int:
+    """The newest tokens each eviction keeps: the policy option ``recent``, or ``buffer`` when it is not set.
+
+    ``recent`` below the buffer lets the policy evict some of the tokens written since the last compaction (as
+    kvpress does with its own window); above it, protects more than one compaction interval.
+
+    Raises:
+        ValueError: ``sinks + recent`` not below the budget (nothing would be left to choose).
+    """
+    recent = buffer if policy.recent is None else policy.recent
+    if budget is not None and sinks + recent >= budget:
+        raise ValueError(
+            f"recent ({recent}) + sinks ({sinks}) must be below the budget ({budget}): lower recent or raise the budget"
+        )
+    return recent
 
 
 def published_budget(budget: int, buffer: int) -> int:

@@ -227,6 +227,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                             lm.model, prompt, cont, policy, budget, config.buffer, config.seed, record=True
                         )
                         extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
+                        extra.update(guard_counts(cache))
                         results.append((policy, pol, extra))
                         del cache
                 finally:
@@ -250,6 +251,16 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     bar.update(1)
     bar.close()
     return path
+
+
+def guard_counts(cache) -> dict:
+    """``{"protected": total slots the value guard protected, "protected_per_eviction": mean per (layer, KV head)
+    eviction}`` for a batch-1 replay's cache, or ``{}`` for a policy without a guard."""
+    if cache.policy.guard is None:
+        return {}
+    st = cache.stats()
+    per = st.protected / (st.evictions * st.layers * cache.num_kv_heads * max(st.batch, 1)) if st.evictions else 0.0
+    return {"protected": st.protected, "protected_per_eviction": per}
 
 
 def summarize(records: list[dict]) -> list[dict]:

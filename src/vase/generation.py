@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheStats, EvictingCache, _is_int, check_published, check_sizes, published_budget
+from .cache import CacheStats, EvictingCache, _is_int, check_published, check_sizes, published_budget, recent_window
 from .policies import make_policy
 
 
@@ -68,6 +68,7 @@ def check_options(
         raise ValueError(f"min_new_tokens must be in [0, max_new_tokens = {max_new_tokens}], got {min_new_tokens!r}")
     check_sampling(temperature, top_p, top_k)
     built = make_policy(policy, **policy_options)  # an unknown policy or option: the message lists the valid ones
+    recent_window(built, size, buffer, sinks)
     if built.published and compression_ratio is None:
         check_published(built, DEFAULT_BUDGET if budget is None else budget, buffer, window or buffer)
 

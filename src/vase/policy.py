@@ -8,6 +8,14 @@ configurations, for example (VaSE, arXiv 2606.03928, Sec. 5)::
     make_policy("snapkv", guard="range", protect_share=0.25)      # SnapKV + value guard
     make_policy("vase", guard="random")                           # protect random slots instead
     make_policy("snapkv", guard="range", guard_mode="evict")      # evict the largest values first
+
+Beyond the paper (issue 11), also open to every evicting policy: an adaptive guard that protects only value outliers
+(``guard_rule='outlier'``, ``outlier_factor``), and a recent window other than the buffer (``recent``); attention-based
+scorers also take ``value_weight`` ('l1': VATP, 'output_error': CAOTE), for example::
+
+    make_policy("snapkv", value_weight="output_error")
+    make_policy("vase", guard_rule="outlier", outlier_factor=6)
+    make_policy("h2o", recent=16)
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .scoring import EvictionContext, Scorer
+from .scoring import VALUE_WEIGHTS, EvictionContext, Scorer
 from .selection import (
     GUARD_METRICS,
     GUARD_MODES,
@@ -26,6 +34,7 @@ from .selection import (
     Selector,
     TopK,
     ValueGuard,
+    check_guard_rule,
     select,
 )
 
@@ -38,6 +47,9 @@ COMMON_OPTIONS = {
     "protect_share": 0.25,
     "guard_mode": "protect",
     "guard_sinks": "outside",
+    "guard_rule": "share",
+    "outlier_factor": 6.0,
+    "recent": None,
     "prompt": "compress",
 }
 AMBIGUOUS_TEMPERATURE = (
@@ -60,7 +72,7 @@ class Policy:
         keeps: one line on what the policy keeps.
         options: the resolved options it was built with (``prompt``: 'compress' compresses a prompt longer than the
             budget at prefill, 'dense' keeps it whole until the first eviction; ``preset``: 'paper' for the
-            published method).
+            published method; ``recent``: the newest tokens always kept, None = the cache's buffer).
     """
 
     name: str
@@ -87,6 +99,11 @@ class Policy:
         return self.options.get("prompt", "compress") != "dense"
 
     @property
+    def recent(self) -> int | None:
+        """The newest tokens always kept (option ``recent``), or None for the cache's buffer."""
+        return self.options.get("recent")
+
+    @property
     def published(self) -> bool:
         """Whether this is the published method's preset (``preset='paper'``): the cache then enforces its rules."""
         return self.options.get("preset") == "paper"
@@ -108,6 +125,8 @@ class Policy:
         if self.guard is not None:
             parts.append(self.guard.describe())
         parts.append(self.selector.describe())
+        if self.recent is not None:
+            parts.append(f"recent window {self.recent}")
         return f"{self.name}: " + " + ".join(parts)
 
 
@@ -162,11 +181,35 @@ def compose(
         raise ValueError(f"guard_sinks must be one of {', '.join(GUARD_SINKS)}, got {opts['guard_sinks']!r}")
     if opts["prompt"] not in PROMPT_MODES:
         raise ValueError(f"prompt must be one of {', '.join(PROMPT_MODES)}, got {opts['prompt']!r}")
+    check_guard_rule(opts["guard_rule"], opts["outlier_factor"], guard_metric)
+    if opts["guard_rule"] == "outlier" and guard_metric is None:
+        raise ValueError("guard_rule='outlier' needs a value guard: add guard=range (or l2, var)")
+    if "outlier_factor" in options and opts["guard_rule"] != "outlier":
+        raise ValueError("outlier_factor applies to the adaptive guard only: add guard_rule=outlier")
+    recent = opts["recent"]
+    if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int) or recent < 0):
+        raise ValueError(
+            f"recent must be a number of tokens >= 0 (the newest tokens always kept; none = the buffer), got {recent!r}"
+        )
+    if "value_weight" in opts:
+        opts["value_weight"] = "none" if opts["value_weight"] is None else opts["value_weight"]
+        if opts["value_weight"] not in VALUE_WEIGHTS:
+            raise ValueError(
+                f"value_weight must be one of {', '.join(VALUE_WEIGHTS)} (none: attention alone; l1: VATP, attention "
+                f"x ||v||_1; output_error: CAOTE), got {opts['value_weight']!r}"
+            )
 
     scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
     selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
     guard = (
-        ValueGuard(guard_metric, share, opts["guard_mode"], opts["guard_sinks"])
+        ValueGuard(
+            guard_metric,
+            share,
+            opts["guard_mode"],
+            opts["guard_sinks"],
+            opts["guard_rule"],
+            float(opts["outlier_factor"]),
+        )
         if guard_metric is not None and share > 0
         else None
     )

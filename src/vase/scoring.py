@@ -48,7 +48,8 @@ class EvictionContext:
         memo: per-layer scalars a scorer may keep between evictions (e.g. how far H2O has accumulated); the cache
             sets ``memo["latest_query"]`` (``[b]``, the position of each row's newest query) before each eviction.
         sinks: the first ``sinks`` valid tokens of each row are attention sinks (always kept).
-        buffer: the last ``buffer`` valid tokens of each row are the recent window (always kept).
+        buffer: the last ``buffer`` valid tokens of each row are the recent window (always kept): the policy option
+            ``recent`` when it is set, else the cache's buffer (the compaction interval).
     """
 
     keys: torch.Tensor
@@ -115,6 +116,7 @@ def window_attention(
     since: int | torch.Tensor | None = None,
     domain: torch.Tensor | None = None,
     temperature: float = 1.0,
+    value_weight: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the saved queries over the cached keys, recomputed in float32.
 
@@ -123,6 +125,9 @@ def window_attention(
     temperature``. Returns ``probs`` ``[b, H, G, W, S]`` (rows of invalid queries and columns outside the domain are
     zero) and ``seen`` ``[b, H, S]``: how many valid queries can see each slot (the causal count a mean over queries
     divides by). With ``since`` (an int or ``[b]`` tensor), only queries at positions > ``since`` count.
+
+    ``value_weight`` other than 'none' returns the value-aware weights of :func:`weight_by_value` in place of the
+    attention probabilities (same shape and zeros); every attention-based scorer gets the option through here.
     """
     q = ctx.queries
     b, hq, w, d = q.shape
@@ -142,7 +147,60 @@ def window_attention(
     logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
     del logits
+    if value_weight != "none":
+        probs = weight_by_value(probs, ctx.values, value_weight)
     return probs, visible.sum(3).squeeze(2)
+
+
+VALUE_WEIGHTS = ("none", "l1", "output_error")
+
+
+def weight_by_value(probs: torch.Tensor, values: torch.Tensor, how: str) -> torch.Tensor:
+    """Value-aware importance of each (query, slot) pair, from the attention ``probs`` ``[b, H, G, W, S]`` (each
+    query's row sums to 1 over the slots it attends to, or is all zero) and the cached ``values`` ``[b, H, S, D]``.
+
+    * ``'l1'``: ``a_i * ||v_i||_1``, attention times the L1 norm of the token's value vector (VATP, Guo et al. 2024,
+      arXiv 2406.12335, Sec. 3).
+    * ``'output_error'``: ``a_i / (1 - a_i) * ||v_i - o||_2`` with ``o = sum_j a_j v_j`` the query's attention output
+      over the same slots: the norm of the change of that output when token i alone is removed and the remaining
+      weights renormalised, ``o - (o - a_i v_i) / (1 - a_i) = a_i (v_i - o) / (1 - a_i)`` (CAOTE, Goel et al. 2025,
+      arXiv 2504.14051, Sec. 3; ``1 - a_i`` is clamped at 1e-6: a token holding all of a query's attention has
+      ``v_i = o``, so its error is 0). Per query head, before any mean over queries or heads.
+
+    Both are then divided by one positive constant per (row, KV head), ``sum(weighted) / sum(probs)`` over its query
+    heads, queries and slots: the weighted attention keeps the head's total attention mass, so its scale is that of
+    attention (what R-KV's ``lam`` balances, what a layer-wide mean over heads adds up), while top-k and sampling
+    within a head choose exactly as with the papers' unnormalised scores (a constant factor per head changes neither).
+
+    Returns:
+        ``[b, H, G, W, S]`` float32, zero where ``probs`` is zero.
+
+    Raises:
+        ValueError: for an unknown ``how``.
+    """
+    if how == "none":
+        return probs
+    if how not in VALUE_WEIGHTS:
+        raise ValueError(f"value_weight must be one of {', '.join(VALUE_WEIGHTS)}, got {how!r}")
+    b, h, g, w, s = probs.shape
+    v = values.float()  # [b, H, S, D]
+    mass = probs.sum((2, 3, 4), keepdim=True)  # [b, H, 1, 1, 1]
+    if how == "l1":
+        norm = v.abs().sum(-1).view(b, h, 1, 1, s)
+        total = (probs.sum((2, 3), keepdim=True) * norm).sum(-1, keepdim=True)
+        return probs * (norm * _mass_scale(mass, total))
+    out = torch.matmul(probs.view(b, h, g * w, s), v)  # [b, H, G*W, D] attention output of each query
+    # ||v_i - o||^2 = ||v_i||^2 - 2 v_i.o + ||o||^2, without materialising [b, H, G*W, S, D]
+    err = torch.matmul(out, v.transpose(-1, -2)).mul_(-2.0)
+    err.add_(v.pow(2).sum(-1).unsqueeze(2)).add_(out.pow(2).sum(-1, keepdim=True)).clamp_min_(0.0).sqrt_()
+    weighted = torch.rsub(probs, 1.0).clamp_min_(1e-6)
+    torch.div(probs, weighted, out=weighted).mul_(err.view(b, h, g, w, s))  # a / (1 - a) * ||v - o||
+    return weighted.mul_(_mass_scale(mass, weighted.sum((2, 3, 4), keepdim=True)))
+
+
+def _mass_scale(mass: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Per (row, KV head) factor that brings ``total`` back to the attention ``mass`` (1 where total is 0)."""
+    return torch.where(total > 0, mass / total.clamp_min(1e-30), torch.ones_like(total))
 
 
 def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
@@ -182,6 +240,10 @@ def reduce_heads(x: torch.Tensor, how: str) -> torch.Tensor:
     return x.mean((1, 2), keepdim=True).squeeze(2).expand(x.shape[0], x.shape[1], x.shape[3])
 
 
+def _describe_weight(how: str) -> str:
+    return {"none": "", "l1": ", x ||v||_1 (VATP)", "output_error": ", output error (CAOTE)"}[how]
+
+
 SOFTMAX_DOMAINS = ("all", "older")
 POOL_EDGES = ("through", "zero")
 POOL_ORDERS = ("position", "slot")
@@ -208,6 +270,9 @@ class WindowAttention(Scorer):
       the reference's physical layout after its compactions (sinks, then protected values by decreasing magnitude,
       then the sampled tokens in draw order, then newer tokens), ``'slot'`` [slot]; ``'slot'`` keeps that layout in
       the per-slot state ``order`` and needs ``pool_edge='zero'``.
+
+    ``value_weight`` ('none', 'l1', 'output_error'; see :func:`weight_by_value`) replaces each query's attention by
+    its value-aware weight before the mean over the window, the pooling and the mean over heads.
     """
 
     def __init__(
@@ -220,11 +285,13 @@ class WindowAttention(Scorer):
         pool_edge: str = "through",
         pool_order: str = "position",
         attention_temperature: float = 1.0,
+        value_weight: str = "none",
     ):
         for name, value, allowed in (
             ("softmax", softmax, SOFTMAX_DOMAINS),
             ("pool_edge", pool_edge, POOL_EDGES),
             ("pool_order", pool_order, POOL_ORDERS),
+            ("value_weight", value_weight, VALUE_WEIGHTS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
@@ -235,12 +302,16 @@ class WindowAttention(Scorer):
         self.window, self.kernel, self.pool, self.head_reduce = window, kernel, pool, head_reduce
         self.softmax, self.pool_edge, self.pool_order = softmax, pool_edge, pool_order
         self.attention_temperature = float(attention_temperature)
+        self.value_weight = value_weight
         self.state_names = ("order",) if pool_order == "slot" else ()
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         older = ctx.older() if (self.softmax == "older" or self.pool_edge == "zero") else None
         probs, seen = window_attention(
-            ctx, domain=older if self.softmax == "older" else None, temperature=self.attention_temperature
+            ctx,
+            domain=older if self.softmax == "older" else None,
+            temperature=self.attention_temperature,
+            value_weight=self.value_weight,
         )
         mean = probs.sum(3) / seen.clamp_min(1).unsqueeze(2).to(probs.dtype)  # [b, H, G, S]
         if self.pool_edge == "through":
@@ -259,6 +330,7 @@ class WindowAttention(Scorer):
             extra = f", softmax over {self.softmax}, pool edge {self.pool_edge}, pool order {self.pool_order}"
         if self.attention_temperature != 1.0:
             extra += f", attention temperature {self.attention_temperature:g}"
+        extra += _describe_weight(self.value_weight)
         return (
             f"window attention (window {self.window}, {self.pool}-pool {self.kernel}, mean over {self.head_reduce}"
             f"{extra})"
@@ -271,23 +343,29 @@ class AccumulatedAttention(Scorer):
 
     The running sum lives in per-slot state ``acc`` and moves with its token. At each eviction the saved queries
     newer than the previous eviction are added (so with ``window >= buffer`` every decode query is counted).
+
+    With ``value_weight`` (see :func:`weight_by_value`) the value-aware weights are accumulated instead: with 'l1'
+    this is H2O with VATP (arXiv 2406.12335, Sec. 3: accumulated attention times ``||v||_1``), up to the per-head
+    normalisation of each eviction's new queries; with 'output_error' the CAOTE error of every past query, summed.
     """
 
     state_names = ("acc",)
 
-    def __init__(self, window: int = 64):
-        self.window = window
+    def __init__(self, window: int = 64, value_weight: str = "none"):
+        if value_weight not in VALUE_WEIGHTS:
+            raise ValueError(f"value_weight must be one of {', '.join(VALUE_WEIGHTS)}, got {value_weight!r}")
+        self.window, self.value_weight = window, value_weight
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         since = ctx.memo.get("acc_upto", -1)
-        probs, _ = window_attention(ctx, since=since)
+        probs, _ = window_attention(ctx, since=since, value_weight=self.value_weight)
         acc = ctx.state["acc"]
         acc += probs.sum(3).mean(2)
         ctx.memo["acc_upto"] = ctx.memo["latest_query"]
         return acc.clone()
 
     def describe(self) -> str:
-        return "accumulated attention (H2O)"
+        return f"accumulated attention (H2O{_describe_weight(self.value_weight)})"
 
 
 class Recency(Scorer):
@@ -325,6 +403,26 @@ class KeyDiversity(Scorer):
 
     def describe(self) -> str:
         return "key diversity (KeyDiff)"
+
+
+class KeyNorm(Scorer):
+    """Low key norm first: Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression", arXiv 2406.11430, Sec. 3-4: keys with a low L2 norm draw high attention, so they are kept.
+
+    Score = ``1 / ||k_i||_2`` (``||k||`` clamped at 1e-6): positive, so it also works with the sampling selector, and
+    ordered as "lowest norm first" for top-k. RoPE is a rotation, so the post-RoPE keys in the cache have the
+    pre-RoPE norms: the same token at two positions (bit-identical pre-RoPE keys in the first layer) has the same
+    norm up to the rounding of the rotation. Norms are therefore rounded to 12 significant bits (relative step
+    2.4e-4) before ranking: such ties stay ties, broken by slot index like every tie, instead of by rounding noise
+    that differs between batch shapes. Needs no queries.
+    """
+
+    def score(self, ctx: EvictionContext) -> torch.Tensor:
+        mantissa, exponent = torch.frexp(ctx.keys.float().norm(dim=-1).clamp_min(1e-6))
+        return torch.ldexp(torch.round(mantissa * 4096.0) / 4096.0, exponent).reciprocal()
+
+    def describe(self) -> str:
+        return "low key norm (1 / ||k||_2)"
 
 
 class Leverage(Scorer):
@@ -372,14 +470,15 @@ class Leverage(Scorer):
 class RedundancyAware(Scorer):
     """R-KV (Cai et al. 2025, arXiv 2505.24133, Sec. 3): ``lam * importance - (1 - lam) * redundancy``.
 
-    Importance: window attention of the last ``window`` queries, max-pooled (``kernel``). Redundancy: for each key,
+    Importance: window attention of the last ``window`` queries (or its value-aware weight, ``value_weight``),
+    max-pooled (``kernel``). Redundancy: for each key,
     the mean cosine similarity to the *later* valid keys of the same head, so that of a group of near-duplicates the
     most recent one is not penalised; then a softmax over the valid slots. Scores may be negative: use it with top-k.
     """
 
-    def __init__(self, window: int = 8, kernel: int = 7, lam: float = 0.1):
-        self.window, self.kernel, self.lam = window, kernel, lam
-        self._importance = WindowAttention(window, kernel, "max")
+    def __init__(self, window: int = 8, kernel: int = 7, lam: float = 0.1, value_weight: str = "none"):
+        self.window, self.kernel, self.lam, self.value_weight = window, kernel, lam, value_weight
+        self._importance = WindowAttention(window, kernel, "max", value_weight=value_weight)
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         importance = self._importance.score(ctx)
@@ -397,4 +496,5 @@ class RedundancyAware(Scorer):
         return self.lam * importance - (1.0 - self.lam) * red
 
     def describe(self) -> str:
-        return f"R-KV (importance window {self.window}, max-pool {self.kernel}, lambda {self.lam})"
+        weight = _describe_weight(self.value_weight)
+        return f"R-KV (importance window {self.window}, max-pool {self.kernel}, lambda {self.lam}{weight})"

@@ -5,13 +5,14 @@ An eviction keeps, per (batch row, KV head), ``keep[row]`` slots out of ``S``:
 1. forced: the first ``sinks`` valid tokens of the row (attention sinks) and its last ``buffer`` valid tokens
    (the recent window);
 2. protected: the candidates with the largest value magnitude, a fixed share of the budget, if the policy has a
-   :class:`ValueGuard` (VaSE, arXiv 2606.03928, Sec. 3.1);
+   :class:`ValueGuard` (VaSE, arXiv 2606.03928, Sec. 3.1), or (``rule='outlier'``) only those whose magnitude is an
+   outlier of their head, at most that share: then the count differs between heads and rows;
 3. the rest of the count from the remaining candidates, by the :class:`Selector`: deterministic top-k of the scores,
    or sampling without replacement with probability proportional to ``score ** (1 / temperature)`` (VaSE, Sec. 3.2),
    done as Gumbel-top-k, which has exactly that distribution.
 
-Every row keeps the same count for all its heads; kept slots come back sorted by slot index, that is by logical
-position, so pooling over slots stays pooling over neighbouring tokens.
+Every row keeps the same count for all its heads (unless ``keep`` is given per head); kept slots come back sorted by
+slot index, that is by logical position, so pooling over slots stays pooling over neighbouring tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _INVALID = float("-inf")
 GUARD_METRICS = ("range", "l2", "var", "random")
 GUARD_MODES = ("protect", "evict")
 GUARD_SINKS = ("outside", "inside")
+GUARD_RULES = ("share", "outlier")
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,25 @@ class ValueGuard:
     (``round(share * budget) - sinks`` value slots are protected); ``'outside'`` protects ``round(share * budget)``
     value slots on top of the sinks.
 
+    ``rule='outlier'`` (adaptive guard, a vase extension) protects only the candidates whose ``metric`` exceeds
+    ``factor`` times the median of that metric over the candidates of their (row, KV head) (the lower median for an
+    even count), the largest first, at most the count above (:meth:`count`, the cap). A head without outliers
+    protects none and leaves its whole choice to the selector; rows and heads may protect different counts, while
+    every head still keeps exactly the row's budget. ``factor`` is on the metric itself: for ``var`` (a squared
+    quantity) ``factor`` 36 matches ``factor`` 6 on ``l2``. ``rule='share'`` (default) is the fixed count of the
+    paper.
+
     Raises:
-        ValueError: for an unknown metric, mode or sinks rule, or a share outside [0, 1).
+        ValueError: for an unknown metric, mode, sinks rule or rule, a share outside [0, 1), a factor below 1, or
+            ``rule='outlier'`` with the ``random`` metric (it has no outliers to test).
     """
 
     metric: str = "range"
     share: float = 0.25
     mode: str = "protect"
     sinks: str = "outside"
+    rule: str = "share"
+    factor: float = 6.0
 
     def __post_init__(self):
         if self.metric not in GUARD_METRICS:
@@ -67,9 +80,11 @@ class ValueGuard:
             raise ValueError(f"protected share must be in [0, 1), got {self.share}")
         if self.sinks not in GUARD_SINKS:
             raise ValueError(f"guard_sinks must be one of {', '.join(GUARD_SINKS)}, got {self.sinks!r}")
+        check_guard_rule(self.rule, self.factor, self.metric)
 
     def count(self, budget: int, sinks: int = 0) -> int:
-        """Number of value slots protected per (row, KV head), for a budget and a sink count in tokens."""
+        """Number of value slots protected per (row, KV head), for a budget and a sink count in tokens (with
+        ``rule='outlier'``: the most that may be protected)."""
         n = int(round(self.share * budget))
         return max(n - sinks, 0) if self.sinks == "inside" else n
 
@@ -87,7 +102,29 @@ class ValueGuard:
     def describe(self) -> str:
         verb = "protects" if self.mode == "protect" else "evicts first"
         where = ", sinks inside the share" if self.sinks == "inside" else ""
+        if self.rule == "outlier":
+            return (
+                f"value guard ({verb} {self.metric} outliers, > {self.factor:g}x the head's median, at most "
+                f"{self.share:.0%} of budget{where})"
+            )
         return f"value guard ({verb} top {self.share:.0%} of budget by {self.metric}{where})"
+
+
+def check_guard_rule(rule: str, factor, metric: str | None) -> None:
+    """The adaptive guard's options (``guard_rule``, ``outlier_factor``).
+
+    Raises:
+        ValueError: an unknown rule, a factor that is not a number >= 1, or the outlier rule with the ``random``
+            metric.
+    """
+    if rule not in GUARD_RULES:
+        raise ValueError(f"guard_rule must be one of {', '.join(GUARD_RULES)}, got {rule!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < float("inf"):
+        raise ValueError(
+            f"outlier_factor must be a number >= 1 (a multiple of the head's median value magnitude), got {factor!r}"
+        )
+    if rule == "outlier" and metric == "random":
+        raise ValueError("guard_rule='outlier' needs a magnitude metric (range, l2 or var), not guard='random'")
 
 
 class Selector:
@@ -198,7 +235,8 @@ def select(
 
     Args:
         ctx: the eviction context (``ctx.candidates`` are the slots the policy chooses among).
-        keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count).
+        keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count), or ``[b, H]`` per (row, KV head)
+            (adaptive per-head budgets, :mod:`vase.budgets`).
         kmax: ``max(keep)`` as a Python int.
         forced: ``[b, S]`` bool sinks and recent window.
     Returns:
@@ -220,7 +258,7 @@ def select(
 
     with record_function("vase.select"):
         top = _top(pr, kmax)[1]
-        rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, 1, 1)
+        rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, -1, 1)
         idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
         idx = idx.masked_fill(idx == s, 0)
         if "order" in ctx.state:
@@ -260,15 +298,19 @@ def _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced) -> None:
 
 @record_function("vase.guard")
 def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
-    """Protect (or demote) the top ``n_protect`` candidates by value magnitude; returns (mask, priorities,
-    magnitudes)."""
+    """Protect (or demote) the top ``n_protect`` candidates by value magnitude (with the outlier rule, only those
+    above ``factor`` x their head's median); returns (mask ``[b, H, S]``, priorities, magnitudes)."""
     b, h, s = pr.shape
-    n_choose = (keep - forced.sum(-1)).clamp_min(0)  # [b]
+    n_forced = forced.sum(-1)
+    n_choose = (keep - (n_forced if keep.dim() == 1 else n_forced.view(b, 1))).clamp_min(0)  # [b] or [b, H]
     cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
     mag = guard.magnitude(ctx).masked_fill(~cand, float("-inf"))
     k = min(n_protect, s)
     top_v, top_i = _top(mag, k)
-    ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, 1, 1)) & torch.isfinite(top_v)
+    ok = (torch.arange(k, device=mag.device).view(1, 1, k) < cap.view(b, -1, 1)) & torch.isfinite(top_v)
+    if guard.rule == "outlier":
+        median = mag.masked_fill(~cand, float("nan")).nanmedian(-1, keepdim=True).values  # [b, H, 1], NaN if none
+        ok = ok & (top_v > guard.factor * median)
     protected = torch.zeros((b, h, s), dtype=torch.bool, device=mag.device)
     protected.scatter_(-1, top_i, ok)
     tier = _PROTECTED if guard.mode == "protect" else _DEMOTED

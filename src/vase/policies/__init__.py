@@ -9,10 +9,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..policy import Policy
-from . import curdkv, full, h2o, keydiff, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
+from . import curdkv, full, h2o, keydiff, knorm, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
 
 _MODULES: dict[str, ModuleType] = {
-    m.NAME: m for m in (full, streaming_llm, h2o, tova, snapkv, rkv, random, keydiff, curdkv, vase, vase_dkv)
+    m.NAME: m for m in (full, streaming_llm, h2o, tova, snapkv, rkv, random, keydiff, knorm, curdkv, vase, vase_dkv)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 

@@ -11,7 +11,7 @@ from ..scoring import AccumulatedAttention
 NAME = "h2o"
 SOURCE = "Zhang et al. 2023, H2O, arXiv 2306.14048, Sec. 3"
 KEEPS = "sinks + recent + largest accumulated attention"
-DEFAULTS = {"window": 64}
+DEFAULTS = {"window": 64, "value_weight": "none"}
 
 
 def build(**options) -> Policy:

@@ -11,7 +11,7 @@ from ..scoring import RedundancyAware
 NAME = "rkv"
 SOURCE = "Cai et al. 2025, R-KV, arXiv 2505.24133, Sec. 3"
 KEEPS = "sinks + recent + important and non-redundant tokens"
-DEFAULTS = {"window": 8, "kernel": 7, "lam": 0.1}
+DEFAULTS = {"window": 8, "kernel": 7, "lam": 0.1, "value_weight": "none"}
 
 
 def build(**options) -> Policy:

@@ -21,6 +21,7 @@ DEFAULTS = {
     "pool_edge": "through",
     "pool_order": "position",
     "attention_temperature": 1.0,
+    "value_weight": "none",
 }
 
 

@@ -12,7 +12,7 @@ from ..scoring import WindowAttention
 NAME = "tova"
 SOURCE = "Oren et al. 2024, TOVA, arXiv 2401.06104, Sec. 4"
 KEEPS = "sinks + recent + highest attention from the newest query (layer-wide)"
-DEFAULTS: dict = {}
+DEFAULTS = {"value_weight": "none"}
 
 
 def build(**options) -> Policy:

@@ -28,6 +28,7 @@ DEFAULTS = {
     "pool_edge": "zero",
     "pool_order": "slot",
     "attention_temperature": 1.0,
+    "value_weight": "none",
 }
 GUARD_DEFAULTS = {"guard": "range", "protect_share": 0.25, "guard_sinks": "inside", "prompt": "compress"}
 # The reference code (terarachang/VaSE, mode range_sink_sample_attn with smoothing): sinks counted inside the

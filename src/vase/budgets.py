@@ -1,0 +1,144 @@
+"""Adaptive budgets (issue 11, piece 3): how many tokens each KV head and each layer keeps, the total held static.
+
+This module holds the allocation rules and the per-head attention mask; it is not wired into
+:class:`vase.EvictingCache` yet (see "Integration" below).
+
+* :func:`head_counts`: per-head allocation within a layer, AdaKV (Feng et al. 2024, arXiv 2407.11550, Sec. 3,
+  Algorithm 1): one top-k over the scores of all the layer's KV heads, so that a head whose attention is
+  concentrated gives slots to a head whose attention is spread; a share ``floor_share`` of each head's count is
+  given uniformly first (the paper's safeguard, alpha = 0.2 there).
+* :func:`pyramid_budgets`: per-layer allocation, PyramidKV (Cai et al. 2024, arXiv 2406.02069, Sec. 3): the
+  chosen part of the budget decreases linearly with depth, from ``2 * mean - mean / beta`` in the first layer to
+  ``mean / beta`` in the last (beta = 20 there); the sum over layers is the uniform sum, exactly.
+* :func:`head_mask`: the attention mask when the heads of a row hold different counts, for sdpa and eager;
+  :func:`check_head_budgets_supported` refuses flash-attention with a clear error.
+
+Integration (not done): per-head counts need per-(row, KV head) fills in the cache: the slots of a head stay packed
+at the front ``[0, fill[b, h])``, in position order; a decode token is written at slot ``fill[b, h]`` of each head (a
+scatter, as ragged rows are written now); the buffers are allocated once at ``cap + buffer`` slots per head, with
+``cap`` the largest count a head may take (the ``cap`` argument of :func:`head_counts`); heads are masked per head
+with :func:`head_mask`; the selection keeps ``counts[b, h] + forced`` per head (``select`` with a ``[b, H]`` keep).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOOR_SHARE = 0.2
+PYRAMID_BETA = 20.0
+
+
+def head_counts(
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    n_choose: torch.Tensor,
+    floor_share: float = FLOOR_SHARE,
+    cap: int | None = None,
+) -> torch.Tensor:
+    """Per-head counts of chosen candidates, AdaKV (arXiv 2407.11550, Sec. 3, Algorithm 1).
+
+    Every head first gets ``floor(floor_share * n_choose)`` (its best candidates); the remaining
+    ``H * (n_choose - floor)`` go to the best remaining candidates of the whole layer, one top-k over all heads,
+    without giving any head more than ``cap`` in total. The scores must be comparable across heads (attention
+    weights, or the value-aware weights of :func:`vase.scoring.weight_by_value`, which keep each head's attention
+    mass). Ties are broken by head, then slot (earlier first).
+
+    Args:
+        scores: ``[b, H, S]`` float policy scores (higher = keep).
+        candidates: ``[b, S]`` bool, the slots the policy chooses among.
+        n_choose: ``[b]`` int64, average number of candidates to keep per head (uniform allocation).
+        floor_share: share of ``n_choose`` every head keeps whatever the others' scores, in [0, 1].
+        cap: most candidates one head may keep (default: no limit but its candidates).
+
+    Returns:
+        ``[b, H]`` int64 counts; each row sums to ``H * n_choose``.
+
+    Raises:
+        ValueError: ``floor_share`` outside [0, 1], a row choosing more than its candidates, or a cap below
+            ``n_choose`` (the uniform allocation would not fit).
+    """
+    if not 0.0 <= floor_share <= 1.0:
+        raise ValueError(f"floor_share must be in [0, 1], got {floor_share}")
+    b, h, s = scores.shape
+    n_cand = candidates.sum(-1)
+    if bool((n_choose > n_cand).any()):
+        raise ValueError(f"cannot choose {n_choose.tolist()} of {n_cand.tolist()} candidates per head")
+    limit = n_cand if cap is None else torch.minimum(n_cand, torch.full_like(n_cand, cap))
+    if cap is not None and bool((n_choose > cap).any()):
+        raise ValueError(f"cap ({cap}) must be at least the uniform count ({n_choose.max().item()})")
+    cand = candidates.unsqueeze(1).expand(b, h, s)
+    x = scores.float().masked_fill(~cand, float("-inf"))
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=x.device).expand(b, h, s))
+    floor = (floor_share * n_choose.double()).floor().long()  # [b]
+    free = cand & (rank >= floor.view(b, 1, 1)) & (rank < limit.view(b, 1, 1))
+    flat = torch.where(free, x, torch.full_like(x, float("-inf"))).reshape(b, h * s)
+    top = torch.sort(flat, dim=-1, descending=True, stable=True).indices
+    m = (n_choose - floor) * h  # [b] slots given by the layer-wide top-k
+    take = torch.arange(h * s, device=x.device).view(1, -1) < m.view(b, 1)
+    picked = torch.zeros((b, h * s), dtype=torch.bool, device=x.device).scatter_(-1, top, take)
+    picked &= free.reshape(b, h * s)
+    return floor.view(b, 1) + picked.view(b, h, s).sum(-1)
+
+
+def pyramid_budgets(budget: int, layers: int, fixed: int = 0, beta: float = PYRAMID_BETA) -> list[int]:
+    """Per-layer budgets, PyramidKV (arXiv 2406.02069, Sec. 3): the chosen part ``budget - fixed`` (``fixed``: the
+    sinks and recent window every layer keeps) decreases linearly from the first layer to the last, from
+    ``2 * mean - mean / beta`` to ``mean / beta``; rounded so that the sum is exactly ``layers * budget``.
+
+    Raises:
+        ValueError: ``layers < 1``, ``beta < 1``, or ``budget <= fixed``.
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    if not beta >= 1:
+        raise ValueError(f"beta must be >= 1 (1 = uniform budgets), got {beta}")
+    mean = budget - fixed
+    if mean < 1:
+        raise ValueError(f"budget ({budget}) must be larger than the tokens every layer keeps ({fixed})")
+    if layers == 1:
+        return [budget]
+    top = mean / beta
+    bottom = 2 * mean - top
+    exact = [bottom - (bottom - top) * i / (layers - 1) for i in range(layers)]
+    chosen = [int(v) for v in exact]  # floors; then the largest remainders get the missing tokens
+    missing = mean * layers - sum(chosen)
+    for i in sorted(range(layers), key=lambda i: (chosen[i] - exact[i], i))[:missing]:
+        chosen[i] += 1
+    return [fixed + c for c in chosen]
+
+
+def head_mask(fill: torch.Tensor, kv_len: int, group: int, kind: str = "bool", dtype=torch.float32) -> torch.Tensor:
+    """Attention mask for one decode query per row when the KV heads of a row hold different counts: head ``h`` of
+    row ``b`` sees slots ``[0, fill[b, h])``.
+
+    Args:
+        fill: ``[b, H]`` int64 filled slots per (row, KV head), the new token included.
+        kv_len: slots handed to the kernel (``>= fill.max()``).
+        group: query heads per KV head (the mask is per query head, after ``repeat_kv``).
+        kind: 'bool' (sdpa: True = attend) or 'additive' (eager: 0 / dtype min).
+
+    Returns:
+        ``[b, H * group, 1, kv_len]``.
+    """
+    b, h = fill.shape
+    seen = torch.arange(kv_len, device=fill.device).view(1, 1, kv_len) < fill.view(b, h, 1)
+    m = seen.repeat_interleave(group, dim=1).unsqueeze(2)
+    if kind == "bool":
+        return m
+    return torch.zeros(m.shape, dtype=dtype, device=fill.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+
+def check_head_budgets_supported(attn_implementation: str) -> None:
+    """Per-head budgets need a per-head mask: sdpa and eager take one.
+
+    Raises:
+        ValueError: for flash-attention (its padding mask is one per row, shared by the heads; the varlen path
+            would need one sequence per (row, head)) or any other kernel.
+    """
+    base = attn_implementation.removeprefix("vase_")
+    if base not in ("sdpa", "eager"):
+        raise ValueError(
+            f"per-head budgets need attention with a per-head mask (sdpa or eager), not {attn_implementation!r}: "
+            "flash-attention's padding mask is per row. Load the model with attn_implementation='sdpa'"
+        )
