@@ -1,0 +1,113 @@
+"""Fidelity tables by compression ratio, merged over several run folders of the same sources, with the goal check of
+issue 11: is a candidate at or below the best baseline's mean KL at every ratio, on every source?
+
+Usage::
+
+    python benchmarks/fidelity_table.py gsm8k=runs/f11-gsm8k-base,runs/f11-gsm8k-new \\
+        text=runs/f11-text-base,runs/f11-text-new --baselines snapkv,h2o,tova,rkv,streaming_llm,curdkv,keydiff,knorm
+
+Each argument is ``label=dir[,dir...]``: folders written by ``vase fidelity --ratios ...`` on the same sources (copy
+``sources.jsonl`` into a new folder to add policies to an earlier sweep). Per label and ratio it prints the mean
+KL(full || policy) over sources and top-1 agreement; then, for each policy that is not a baseline, the paired
+difference to the best baseline at that ratio (mean over the same sources +- its standard error) and whether its mean
+is at or below the best baseline's everywhere. Prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def load(dirs: list[Path]) -> dict[tuple[str, float], dict[str, dict]]:
+    """(policy, ratio) -> {source: record}; records without a ratio are keyed by budget (as a negative number)."""
+    out: dict[tuple[str, float], dict[str, dict]] = {}
+    for d in dirs:
+        path = d / "fidelity.jsonl"
+        if not path.exists():
+            raise SystemExit(f"{path} not found: give folders written by `vase fidelity`")
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                size = r["ratio"] if r.get("ratio") is not None else -float(r["budget"])
+                out.setdefault((r["policy"], size), {})[r["source"]] = r
+    return out
+
+
+def _size(s: float) -> str:
+    return f"{s:g}x" if s > 0 else f"budget {int(-s)}"
+
+
+def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str], dict]:
+    """Markdown lines for one source group, and {policy: {ratio: meets}} for the goal check."""
+    data = load(dirs)
+    sizes = sorted({s for _, s in data}, key=lambda s: (s < 0, s))
+    policies = sorted({p for p, _ in data}, key=lambda p: (p not in baselines, p))
+    n_src = {p: max(len(data.get((p, s), {})) for s in sizes) for p in policies}
+    lines = [f"**{label}** ({', '.join(str(d) for d in dirs)})", ""]
+    lines += ["| policy | " + " | ".join(f"{_size(s)}: KL, top-1 %" for s in sizes) + " |"]
+    lines += ["|---|" + "---|" * len(sizes)]
+    best: dict[float, str] = {}
+    for s in sizes:
+        means = {p: statistics.mean(r["kl_mean"] for r in data[(p, s)].values()) for p in baselines if (p, s) in data}
+        if means:
+            best[s] = min(means, key=means.get)
+    for p in policies:
+        cells = []
+        for s in sizes:
+            recs = data.get((p, s))
+            if not recs:
+                cells.append("-")
+                continue
+            kl = statistics.mean(r["kl_mean"] for r in recs.values())
+            top1 = 100 * statistics.mean(r["top1"] for r in recs.values())
+            mark = " (best baseline)" if best.get(s) == p else ""
+            cells.append(f"{kl:.4f}, {top1:.1f}{mark}")
+        lines.append(f"| `{p}` (n={n_src[p]}) | " + " | ".join(cells) + " |")
+    lines += ["", f"Paired difference to the best baseline at each ratio ({label}; negative = lower KL):", ""]
+    lines += ["| policy | " + " | ".join(f"{_size(s)} vs `{best.get(s, '-')}`" for s in sizes) + " | at or below |"]
+    lines += ["|---|" + "---|" * (len(sizes) + 1)]
+    goal: dict[str, dict[float, bool]] = {}
+    for p in policies:
+        if p in baselines:
+            continue
+        cells, ok = [], {}
+        for s in sizes:
+            mine, ref = data.get((p, s), {}), data.get((best.get(s), s), {})
+            common = sorted(set(mine) & set(ref))
+            if len(common) < 2:
+                cells.append("-")
+                continue
+            d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
+            se = statistics.stdev(d) / len(d) ** 0.5
+            cells.append(f"{statistics.mean(d):+.4f} ± {se:.4f}")
+            ok[s] = statistics.mean(d) <= 0
+        goal[p] = ok
+        verdict = "yes" if ok and all(ok.values()) and len(ok) == len(sizes) else "no"
+        lines.append(f"| `{p}` | " + " | ".join(cells) + f" | {verdict} |")
+    return lines, goal
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("groups", nargs="+", help="label=dir[,dir...]")
+    ap.add_argument("--baselines", default="snapkv,h2o,tova,rkv,streaming_llm,curdkv,keydiff,knorm")
+    args = ap.parse_args()
+    baselines = [b for b in args.baselines.split(",") if b]
+    overall: dict[str, list[bool]] = {}
+    for g in args.groups:
+        label, eq, dirs = g.partition("=")
+        if not eq:
+            raise SystemExit(f"expected label=dir[,dir...], got {g!r}")
+        lines, goal = tables(label, [Path(d) for d in dirs.split(",") if d], baselines)
+        print("\n".join(lines) + "\n")
+        for p, ok in goal.items():
+            overall.setdefault(p, []).extend(ok.values() if ok else [False])
+    meets = sorted(p for p, oks in overall.items() if oks and all(oks))
+    print("At or below the best baseline at every ratio of every group: " + (", ".join(f"`{p}`" for p in meets) or "none"))
+
+
+if __name__ == "__main__":
+    main()
