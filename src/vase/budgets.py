@@ -30,6 +30,7 @@ import torch
 
 FLOOR_SHARE = 0.2
 PYRAMID_BETA = 20.0
+BUDGET_CAP = 2.0  # default physical slots per (layer, KV head), as a multiple of the budget
 
 
 def head_counts(
@@ -164,7 +165,7 @@ def layout(options: dict, budget: int, layers: int, fixed: int) -> tuple[list[in
         per_layer = [budget] * layers
     if not (pyramid or adakv):
         return per_layer, budget
-    cap = int(float(options.get("budget_cap", 2.0)) * budget)
+    cap = int(float(options.get("budget_cap", BUDGET_CAP)) * budget)
     if max(per_layer) > cap:
         raise ValueError(
             f"budget_cap {options.get('budget_cap')} allows {cap} tokens per head, but the pyramid gives its first "

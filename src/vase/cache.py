@@ -62,15 +62,19 @@ class CacheStats:
         layers: cached layers.
         tokens_seen: logical length (tokens per row, padding columns included).
         real_tokens: real (non-padding) tokens seen by each row.
-        slots_held: largest number of filled slots of a row, right now (tokens).
+        slots_held: largest number of filled slots of a row, right now (tokens; with adaptive budgets the dead slots
+            of heads keeping fewer than the cap count too).
         capacity: slots allocated per row and layer (tokens).
         evictions: forward passes in which at least one row evicted.
         tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
-        bytes_held: bytes of the key/value buffers allocated, all layers.
+        bytes_held: bytes of the key/value buffers allocated, all layers. With adaptive budgets they are allocated
+            for the cap (``budget_cap`` x budget + buffer slots per head), so this is more than the budget's bytes.
         bytes_full: bytes a full (dynamic) cache would hold for the same tokens, all layers.
         eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
         protected: value slots the guard protected (or, with ``guard_mode='evict'``, demoted), summed over evictions,
             layers, rows and KV heads (0 without a guard); with ``guard_rule='outlier'`` the count varies per head.
+        bytes_live: bytes of the key/value entries holding a token right now, all layers: what attention reads
+            (below ``bytes_held`` by the free slots and, with adaptive budgets, the dead ones).
     """
 
     policy: str
@@ -88,6 +92,7 @@ class CacheStats:
     bytes_full: int
     eviction_seconds: float
     protected: int = 0
+    bytes_live: int = 0
 
     @property
     def compression(self) -> float:
@@ -532,7 +537,7 @@ class EvictingLayer(CacheLayerMixin):
         def allocate(ctx: EvictionContext, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
             most = n_forced.max(-1).values
             n_choose = (keep - most).clamp_min(0)
-            floor = float(c.policy.options["head_floor"])
+            floor = float(c.policy.options.get("head_floor", budgets.FLOOR_SHARE))
             counts = budgets.head_counts(scores, ctx.candidates, n_choose, floor, c.slots - int(most.max()))
             return n_forced + counts
 
@@ -772,7 +777,7 @@ class EvictingCache(Cache):
             self.policy.options, budget, self.num_layers, sinks + self.recent
         )
         self.adaptive = self.policy.adaptive_budgets
-        self.adakv = self.adaptive and self.policy.options["head_budget"] == "adakv"
+        self.adakv = self.adaptive and self.policy.options.get("head_budget") == "adakv"
         if self.adaptive:
             budgets.check_head_budgets_supported(attn.base_implementation(model))
         self._model_ref = weakref.ref(model)
@@ -994,7 +999,7 @@ class EvictingCache(Cache):
 
     def stats(self) -> CacheStats:
         """Current :class:`CacheStats`."""
-        held = 0
+        held = live = 0
         elt = 0
         for layer in self.layers:
             if layer.is_initialized:
@@ -1002,6 +1007,8 @@ class EvictingCache(Cache):
                     layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 )
                 elt = layer.keys.element_size()
+                entry = layer.keys.shape[-1] * elt + layer.values.shape[-1] * layer.values.element_size()
+                live += int((layer.positions >= 0).sum()) * entry
         batch = self.batch or 0
         full = batch * self.num_kv_heads * self._seen * self.head_dim * 2 * elt * self.num_layers
         return CacheStats(
@@ -1020,6 +1027,7 @@ class EvictingCache(Cache):
             bytes_full=full,
             eviction_seconds=self._eviction_seconds,
             protected=int(self._protected),
+            bytes_live=live,
         )
 
 

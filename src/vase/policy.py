@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .budgets import FLOOR_SHARE, PYRAMID_BETA
+from .budgets import BUDGET_CAP, FLOOR_SHARE, PYRAMID_BETA
 from .scoring import VALUE_WEIGHTS, EvictionContext, Scorer
 from .selection import (
     GUARD_METRICS,
@@ -63,7 +63,7 @@ COMMON_OPTIONS = {
     "prompt": "compress",
     "head_budget": "uniform",
     "layer_budget": "uniform",
-    "budget_cap": 2.0,
+    "budget_cap": BUDGET_CAP,
     "head_floor": FLOOR_SHARE,
     "pyramid_beta": PYRAMID_BETA,
 }
@@ -141,7 +141,8 @@ class Policy:
         and no layer holds more than ``budget_cap`` x the budget (the physical slots allocated per head for kept
         tokens).
         """
-        return self.evicts and (self.options["head_budget"] != "uniform" or self.options["layer_budget"] != "uniform")
+        heads, layers = self.options.get("head_budget", "uniform"), self.options.get("layer_budget", "uniform")
+        return self.evicts and (heads != "uniform" or layers != "uniform")
 
     def select(self, ctx: EvictionContext, keep, kmax: int, forced, allocate=None) -> Selection:
         """Slots to keep; see :func:`vase.selection.select`."""
@@ -158,11 +159,11 @@ class Policy:
         if self.recent is not None:
             parts.append(f"recent window {self.recent}")
         if self.options.get("head_budget", "uniform") != "uniform":
-            parts.append(f"AdaKV head budgets (floor {self.options['head_floor']:g})")
+            parts.append(f"AdaKV head budgets (floor {self.options.get('head_floor', FLOOR_SHARE):g})")
         if self.options.get("layer_budget", "uniform") != "uniform":
-            parts.append(f"PyramidKV layer budgets (beta {self.options['pyramid_beta']:g})")
+            parts.append(f"PyramidKV layer budgets (beta {self.options.get('pyramid_beta', PYRAMID_BETA):g})")
         if self.adaptive_budgets:
-            parts.append(f"cap {self.options['budget_cap']:g}x budget")
+            parts.append(f"cap {self.options.get('budget_cap', BUDGET_CAP):g}x budget")
         return f"{self.name}: " + " + ".join(parts)
 
 
