@@ -20,6 +20,16 @@ buffer, as the paper's code does) and evicts from the first compaction on.
 
 Each row evicts on its own schedule with its own random key, so a row of a ragged batch behaves exactly as it would
 alone. Scoring needs no attention weights from the kernel: :mod:`vase.attention` saves the post-RoPE queries.
+
+Adaptive budgets (policy options ``head_budget='adakv'``, ``layer_budget='pyramid'``; :mod:`vase.budgets`): heads and
+layers keep different counts while the schedule stays shared. Every (layer, KV head) has ``slots`` physical slots for
+kept tokens (``budget_cap * budget`` with AdaKV, the largest layer budget with PyramidKV alone); a compaction leaves
+every row at fill ``slots``, a head keeping ``n`` holding its tokens at ``[0, n)`` and dead slots (position -1) at
+``[n, slots)``; the row next evicts at ``slots + buffer``, that is ``buffer`` tokens later as in the uniform case.
+Dead slots are masked per head in attention (``[B, q_heads, q, kv_len]``, sdpa and eager; flash-attention is refused
+at creation) and left out of the next eviction (per-head ``valid`` ``[b, H, S]`` in the :class:`EvictionContext`).
+The first eviction still comes at ``budget + buffer`` tokens (the schedule of the uniform cache). The buffers are
+allocated for ``slots + buffer``: ``stats().bytes_held`` is that, ``stats().bytes_live`` what attention reads.
 """
 
 from __future__ import annotations
@@ -704,7 +714,9 @@ class EvictingCache(Cache):
     Args:
         model: a ``transformers`` causal LM (Llama, Qwen3, Mistral, ... families: full attention layers).
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
-        budget: tokens kept per (row, layer, KV head) after each eviction.
+        budget: tokens kept per (row, layer, KV head) after each eviction (on average over the heads and layers with
+            the policy options ``head_budget='adakv'`` / ``layer_budget='pyramid'``, at most ``budget_cap`` x budget
+            each; the buffers then hold ``budget_cap`` x budget + buffer slots per head, see the module docstring).
         buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps. The
             policy option ``recent`` keeps another count of newest tokens instead (see :func:`recent_window`).
         sinks: first tokens of each row always kept (attention sinks), default 4.
@@ -720,14 +732,16 @@ class EvictingCache(Cache):
             each head protected).
         profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
         **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
-            temperature, lam, rank; see :func:`vase.make_policy`).
+            temperature, lam, rank, head_budget, layer_budget, budget_cap; see :func:`vase.make_policy`).
 
     Raises:
         ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
             or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
             (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
             a model with a layer type other
-            than full attention (sliding window, linear attention), or, at the first forward, a cache reused for
+            than full attention (sliding window, linear attention), adaptive budgets with an attention other than sdpa
+            or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the first layer's pyramid budget,
+            or, at the first forward, a cache reused for
             another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
             it holds.
     """
