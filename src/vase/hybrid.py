@@ -95,12 +95,13 @@ def plan_layers(config) -> list[LayerPlan]:
             f"this model ({model_type}) shares keys and values between layers: {SHARING_REASON}. Load a variant "
             "without KV sharing (e.g. num_kv_shared_layers=0)"
         )
-    raw = list(getattr(config, "layer_types", None) or [])
-    types, kwargs = get_layer_types_and_kwargs(config)
-    types = list(types)
-    if raw and len(raw) == len(types):
-        # transformers maps layers without attention ("moe", "mlp") to its "dummy" layer: name them as the config does
-        types = [r if t == "dummy" else t for r, t in zip(raw, types)]
+    # explicit layer types are checked before transformers reads the arguments of their layer classes (a chunked
+    # layer needs attention_chunk_size...); without them transformers infers the types from the config
+    types = list(getattr(config, "layer_types", None) or [])
+    kwargs = None
+    if not types:
+        types, kwargs = get_layer_types_and_kwargs(config)
+        types = list(types)
     bad: dict[str, list[int]] = {}
     for i, t in enumerate(types):
         if t not in EVICTING_LAYER_TYPES and t not in KEPT_LAYER_TYPES:
@@ -121,6 +122,8 @@ def plan_layers(config) -> list[LayerPlan]:
             "its default cache is bounded already and EvictingCache would have nothing to evict. Use the model's "
             "default cache, or a model with full-attention layers"
         )
+    if kwargs is None:
+        kwargs = get_layer_types_and_kwargs(config)[1]
     per_layer = config.per_layer_config
     plan = []
     for i, (t, kw) in enumerate(zip(types, kwargs)):
