@@ -1,8 +1,10 @@
 """Hybrid models: evicting full-attention layers beside sliding-window and linear-attention layers.
 
-Tiny random configs of gpt-oss (sliding window + full, learned sinks, eager only), Gemma 3 (sliding + global,
-``query_pre_attn_scalar`` scaling), OLMo 3 (three sliding layers, then a full one; RoPE per layer type), Qwen3.5 and
-Qwen3-Next (gated-delta-net linear attention + full attention), built locally. Checked:
+Tiny random configs of gpt-oss (sliding window + full, learned sinks, eager only), Gemma 2 (sliding + global, logit
+soft-capping, eager only), Gemma 3 (sliding + global, ``query_pre_attn_scalar`` scaling, RoPE per layer type), Gemma 4
+(global layers with their own head dim and KV heads, keys shared with values, scaling 1), OLMo 3 (three sliding
+layers, then a full one), Qwen3.5 and Qwen3-Next (gated-delta-net linear attention + full attention), built locally.
+Checked:
 
 * budget >= length: logits (so greedy tokens, 100 steps) equal the model's default cache exactly, and the kept layers'
   state (sliding keys/values, convolution and recurrent states) equals the default cache's;
@@ -15,13 +17,20 @@ Qwen3-Next (gated-delta-net linear attention + full attention), built locally. C
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 from transformers import (
     AttentionInterface,
     DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     Olmo3Config,
@@ -41,10 +50,11 @@ from vase.cache import EvictingLayer, check_model_supported
 
 from .conftest import VOCAB
 
-FAMILIES = ("gpt_oss", "gemma3", "olmo3", "qwen3_5", "qwen3_next")
+FAMILIES = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3", "qwen3_5", "qwen3_next")
+EAGER_ONLY = ("gpt_oss", "gemma2")  # transformers has no sdpa for these (learned sinks; soft-capping)
 WINDOW = 8  # sliding window of the tiny models (tokens)
 # weight scale per family: random weights of this size give varied greedy tokens (not one token repeated)
-INIT = {"gemma3": 0.02}
+INIT = {"gemma2": 0.02, "gemma3": 0.02, "gemma4": 0.02}
 
 
 def hybrid_config(family: str, attn: str | None = None, layers: int = 4):
@@ -61,14 +71,28 @@ def hybrid_config(family: str, attn: str | None = None, layers: int = 4):
         bos_token_id=1,
         eos_token_id=2,
         initializer_range=INIT.get(family, 0.1),
-        attn_implementation=attn or ("eager" if family == "gpt_oss" else "sdpa"),
+        attn_implementation=attn or ("eager" if family in EAGER_ONLY else "sdpa"),
     )
     linear = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
     if family == "gpt_oss":  # sliding, full, sliding, full; learned sinks; no sdpa in transformers
         return GptOssConfig(**common, head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gemma2":  # sliding, full, sliding, full; soft-capped attention logits (a small cap: it matters)
+        return Gemma2Config(
+            **common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=32, attn_logit_softcapping=2.0
+        )
     if family == "gemma3":  # sliding, full, sliding, full; scaling by query_pre_attn_scalar ** -0.5
         return Gemma3TextConfig(
             **common, head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=32
+        )
+    if family == "gemma4":  # sliding, full, sliding, full; global layers: 1 KV head of dim 32, values = keys
+        return Gemma4TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
         )
     if family == "olmo3":  # sliding x 3, full
         return Olmo3Config(**common, sliding_window=WINDOW)
@@ -89,7 +113,9 @@ def hybrid_config(family: str, attn: str | None = None, layers: int = 4):
 
 MODEL_CLASSES = {
     "gpt_oss": GptOssForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
     "olmo3": Olmo3ForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
@@ -98,7 +124,13 @@ MODEL_CLASSES = {
 
 def hybrid_model(family: str, attn: str | None = None, seed: int = 0):
     torch.manual_seed(seed)
-    return MODEL_CLASSES[family](hybrid_config(family, attn)).eval()
+    model = MODEL_CLASSES[family](hybrid_config(family, attn)).eval()
+    if family == "gemma2":  # attention logits large enough for the soft-cap to change the greedy tokens (most of them)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8.0)
+                layer.self_attn.k_proj.weight.mul_(8.0)
+    return model
 
 
 def ids_of(n: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
@@ -136,7 +168,7 @@ def family(request):
 def _attn_cases():
     for fam in FAMILIES:
         yield fam, None
-        if fam != "gpt_oss":
+        if fam not in EAGER_ONLY:
             yield fam, "eager"
 
 
@@ -226,8 +258,8 @@ def test_eviction_matches_masked_dense_reference(fam):
     steps = 60
     cache, logits, tokens, helds = run_with_eviction(model, ids, steps, policy="vase", budget=16, buffer=8)
     assert cache.stats().evictions >= 5
-    # scoring uses each layer's own scaling: Gemma 3's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5
-    scaling = 32**-0.5 if fam == "gemma3" else 16**-0.5
+    # scoring uses each layer's own scaling: Gemma 2/3: query_pre_attn_scalar ** -0.5, Gemma 4: 1, else head_dim ** -0.5
+    scaling = {"gemma2": 32**-0.5, "gemma3": 32**-0.5, "gemma4": 1.0}.get(fam, 16**-0.5)
     assert all(layer.scaling == scaling for layer in cache.layers if isinstance(layer, EvictingLayer))
 
     ref_model = hybrid_model(fam)  # same seed, same weights
@@ -331,6 +363,8 @@ def test_supported_and_refused_layer_kinds():
     plan = hybrid.plan_layers(hybrid_config("olmo3"))
     assert [p.evicts for p in plan] == [False, False, False, True]
     assert plan[0].kwargs == {"sliding_window": WINDOW} and (plan[3].kv_heads, plan[3].head_dim) == (2, 16)
+    plan = hybrid.plan_layers(hybrid_config("gemma4"))  # global layers' own KV heads and head dim
+    assert [(p.evicts, p.kv_heads, p.head_dim) for p in plan[:2]] == [(False, None, None), (True, 1, 32)]
 
     with pytest.raises(ValueError, match="no full-attention layer .*sliding_attention.*default cache"):
         check_model_supported(_qwen3(use_sliding_window=True, sliding_window=16, max_window_layers=0))
@@ -355,3 +389,48 @@ def test_kv_sharing_refused():
     )
     with pytest.raises(ValueError, match="shares keys and values between layers"):
         check_model_supported(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ --model
+def byte_tokenizer():
+    """A byte-level tokenizer built locally: 3 special tokens, then the 256 byte symbols (no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("fam", ["gpt_oss", "qwen3_5"])
+def test_cli_model_folder(fam, tmp_path):
+    """``vase generate --model <folder>`` on a hybrid checkpoint: loads (gpt-oss: eager, as transformers has no sdpa
+    for it), evicts, and prints the stats line; load_model gives the model back with the same weights."""
+    from typer.testing import CliRunner
+
+    from vase.cli import app
+    from vase.models import load_model
+
+    tok = byte_tokenizer()
+    cfg = hybrid_config(fam)
+    cfg.vocab_size = len(tok)
+    torch.manual_seed(0)
+    model = MODEL_CLASSES[fam](cfg).eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="eager") if fam == "gpt_oss" else contextlib.nullcontext():
+        lm = load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert lm.model.config._attn_implementation == ("eager" if fam == "gpt_oss" else "sdpa")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(greedy(lm.model, ids, 8).sequences, greedy(model, ids, 8).sequences)
+
+    args = ["generate", "Hello hybrid world", "--model", str(tmp_path), "--device", "cpu", "-n", "40"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gpt-oss: eager instead of sdpa, checked above
+        result = CliRunner().invoke(app, args + ["--budget", "16", "--buffer", "8", "--min-new-tokens", "40"])
+    assert result.exit_code == 0, result.output
+    assert "evictions" in result.output and "policy vase" in result.output
