@@ -318,6 +318,23 @@ def test_ragged_rows_equal_rows_alone(fam):
         assert torch.equal(out[i], alone.sequences[0, len(r) :]), f"row {i}"
 
 
+@pytest.mark.parametrize("fam", ["gpt_oss", "qwen3_5"])
+def test_multi_token_continuation_equals_token_by_token(fam):
+    """Teacher-forced chunks of several tokens (vase.fidelity.replay, chunks ending where the cache evicts) give the
+    log-probabilities of token-by-token decoding: the kept layers take several new tokens beside the evicting ones."""
+    from vase.fidelity import replay
+
+    model = hybrid_model(fam)
+    prompt, cont = ids_of(20)[0], ids_of(50, seed=4)[0]
+    chunked = replay(model, prompt, cont, "snapkv", 16, 8)
+    cache = vase.EvictingCache(model, policy="snapkv", budget=16, buffer=8)
+    with torch.no_grad():
+        steps = [model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:]]
+        steps += [model(input_ids=t.view(1, 1), cache=cache).logits[0] for t in cont[:-1]]
+    torch.testing.assert_close(chunked, torch.log_softmax(torch.cat(steps).float(), -1), rtol=1e-4, atol=1e-4)
+    assert cache.stats().evictions >= 5
+
+
 # --------------------------------------------------------------------------------------------------- stats
 @pytest.mark.parametrize("fam", ["gpt_oss", "qwen3_5"])
 def test_stats_count_both_kinds_of_layers(fam):
