@@ -103,12 +103,18 @@ class CacheStats:
         return self.bytes_full / self.bytes_held if self.bytes_held else 1.0
 
     def line(self) -> str:
-        """A one-line human summary."""
+        """A one-line human summary (hybrid models: what the kept layers hold, counted in both totals, too)."""
         mib = 2.0**20
+        kept = (
+            f" (each incl. {self.bytes_other / mib:.1f} MiB in {self.other_layers} sliding/linear layers)"
+            if self.other_layers
+            else ""
+        )
         return (
             f"policy {self.policy}, budget {self.budget}+{self.buffer}: {self.evictions} evictions, "
             f"{self.tokens_seen} tokens seen, {self.slots_held}/{self.capacity} slots held, "
             f"KV {self.bytes_held / mib:.1f} MiB vs full {self.bytes_full / mib:.1f} MiB ({self.compression:.2f}x)"
+            f"{kept}"
         )
 
 
@@ -643,8 +649,9 @@ class EvictingCache(Cache):
     mask over physical slots. The kept layers of a hybrid model get transformers' own mask and attention, unchanged
     (learned sinks, soft-capping, sliding windows, per-layer RoPE all stay the model's). Scoring recomputes attention
     from saved queries with the layer's own ``scaling`` (Gemma's ``query_pre_attn_scalar``, Gemma 4's 1.0), but
-    without gpt-oss's learned sinks or a logit soft-cap: those change each query's normalisation, not which keys it
-    favours most; the kernel itself applies both.
+    without gpt-oss's learned sinks or a logit soft-cap. Neither changes the order of one query's weights over the
+    keys (a soft-cap is increasing in the logit; a sink only adds to the softmax denominator), only their scale, hence
+    how much each saved query counts in the mean over the window; the model's attention applies both.
 
     Args:
         model: a ``transformers`` causal LM: full-attention layers (Llama, Qwen3, DeepSeek-R1-Distill, ...), or a
