@@ -3,7 +3,8 @@
 Tiny random configs of gpt-oss (sliding window + full, learned sinks, eager only), Gemma 2 (sliding + global, logit
 soft-capping, eager only), Gemma 3 (sliding + global, ``query_pre_attn_scalar`` scaling, RoPE per layer type), Gemma 4
 (global layers with their own head dim and KV heads, keys shared with values, scaling 1), OLMo 3 (three sliding
-layers, then a full one), Qwen3.5 and Qwen3-Next (gated-delta-net linear attention + full attention), built locally.
+layers, then a full one), Qwen3 with ``use_sliding_window`` (full layers first, sliding ones after
+``max_window_layers``), Qwen3.5 and Qwen3-Next (gated-delta-net linear attention + full attention), built locally.
 Checked:
 
 * budget >= length: logits (so greedy tokens, 100 steps) equal the model's default cache exactly, and the kept layers'
@@ -38,6 +39,7 @@ from transformers import (
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
     Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
@@ -50,7 +52,7 @@ from vase.cache import EvictingLayer, check_model_supported
 
 from .conftest import VOCAB
 
-FAMILIES = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3", "qwen3_5", "qwen3_next")
+FAMILIES = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3", "qwen3_sliding", "qwen3_5", "qwen3_next")
 EAGER_ONLY = ("gpt_oss", "gemma2")  # transformers has no sdpa for these (learned sinks; soft-capping)
 WINDOW = 8  # sliding window of the tiny models (tokens)
 # weight scale per family: random weights of this size give varied greedy tokens (not one token repeated)
@@ -96,6 +98,8 @@ def hybrid_config(family: str, attn: str | None = None, layers: int = 4):
         )
     if family == "olmo3":  # sliding x 3, full
         return Olmo3Config(**common, sliding_window=WINDOW)
+    if family == "qwen3_sliding":  # full, full, sliding, sliding
+        return Qwen3Config(**common, head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)
     if family == "qwen3_5":  # linear x 3, full
         return Qwen3_5TextConfig(**common, head_dim=16, **linear)
     if family == "qwen3_next":  # linear x 3, full; mixture of experts
@@ -117,6 +121,7 @@ MODEL_CLASSES = {
     "gemma3": Gemma3ForCausalLM,
     "gemma4": Gemma4ForCausalLM,
     "olmo3": Olmo3ForCausalLM,
+    "qwen3_sliding": Qwen3ForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
 }
