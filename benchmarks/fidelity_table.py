@@ -106,7 +106,8 @@ def main() -> None:
         for p, ok in goal.items():
             overall.setdefault(p, []).extend(ok.values() if ok else [False])
     meets = sorted(p for p, oks in overall.items() if oks and all(oks))
-    print("At or below the best baseline at every ratio of every group: " + (", ".join(f"`{p}`" for p in meets) or "none"))
+    listed = ", ".join(f"`{p}`" for p in meets) or "none"
+    print(f"At or below the best baseline at every ratio of every group: {listed}")
 
 
 if __name__ == "__main__":

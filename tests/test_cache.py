@@ -357,19 +357,25 @@ def test_cache_reused_for_other_batch_or_model():
 
 
 def test_unsupported_layer_type():
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=16,
-        max_window_layers=1,
-    )
-    with pytest.raises(ValueError, match="sliding_attention"):
-        check_model_supported(cfg)
+    """A model mixing sliding-window and full-attention layers is taken (see tests/test_hybrid.py); one whose layers
+    are all sliding-window has nothing to evict and is refused, naming its layer type."""
+
+    def cfg(full_layers):
+        return Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=full_layers,
+        )
+
+    check_model_supported(cfg(1))
+    with pytest.raises(ValueError, match="no full-attention layer.*sliding_attention"):
+        check_model_supported(cfg(0))
 
 
 def test_compression_ratio_helper():

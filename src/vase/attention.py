@@ -8,12 +8,16 @@ model code is copied and no forward is patched.
 When the keys handed to the wrapper come from an :class:`~vase.cache.EvictingLayer` update (checked by identity), the
 wrapper (1) saves the queries in that layer's ring, (2) passes a mask over the physical slots instead of the logical
 one, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache (or none) it
-calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``.
+calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``. The kept
+layers of a hybrid model (sliding window; see :mod:`vase.hybrid`) are marked by the cache's ``update`` as passed
+through: the wrapper calls the base function with transformers' own mask and every keyword the model gives (gpt-oss's
+``s_aux`` sinks, Gemma's ``scaling`` and ``softcap``, ``sliding_window``).
 
 The mask function registered under the same ``vase_<impl>`` name builds transformers' usual mask, except during a
-forward pass that uses an :class:`~vase.EvictingCache` (flagged by the pre-hook): then it builds nothing and returns
-None, since the wrapper would discard that mask (``[B, 1, q, seen + q]``, as large as the attention weights of a
-prefill in eager) for its own.
+forward pass that uses an :class:`~vase.EvictingCache` (flagged by the pre-hook) for a mask sized against an evicting
+layer (the cache says so when transformers asks it for the mask's sizes): then it builds nothing and returns None,
+since the wrapper would discard that mask (``[B, 1, q, seen + q]``, as large as the attention weights of a prefill in
+eager) for its own. The sliding-window mask of a hybrid model, sized against its sliding layer, is built as usual.
 """
 
 from __future__ import annotations
@@ -30,11 +34,24 @@ _MASK_KIND = {"sdpa": "bool", "eager": "additive", "flash_attention_2": "padding
 _PREFIX = "vase_"
 _handoff = threading.local()
 _forward = threading.local()  # .evicting: the decoder forward pass in progress on this thread uses an EvictingCache
+_PASS = object()  # hand-off marker of a kept (non-evicting) layer of an EvictingCache
 
 
 def hand_off(layer, key: torch.Tensor) -> None:
     """Called by an EvictingLayer's update: the next attention call with this very ``key`` tensor is its."""
     _handoff.item = (layer, key)
+
+
+def pass_through(key: torch.Tensor) -> None:
+    """Called by an EvictingCache after updating one of its kept layers (sliding window): the next attention call with
+    this very ``key`` tensor runs the base function unchanged, with transformers' mask."""
+    _handoff.item = (_PASS, key)
+
+
+def mask_for(evicting: bool) -> None:
+    """Called by an EvictingCache when transformers asks it for the sizes of the next mask: whether that mask is for
+    an evicting layer (not built; see :func:`_make_mask_function`) or a kept one (built as usual)."""
+    _forward.mask_evicting = evicting
 
 
 def _take(key: torch.Tensor):
@@ -77,6 +94,8 @@ def _make_wrapper(base: str):
     def vase_attention(module, query, key, value, attention_mask, **kwargs):
         layer = _take(key)
         fn = _base_function(base, module)
+        if layer is _PASS:
+            return fn(module, query, key, value, attention_mask, **kwargs)
         if layer is None:
             if evicting_forward():
                 raise RuntimeError(
@@ -100,16 +119,22 @@ def _make_mask_function(base: str):
 
     def vase_mask(*args, **kwargs):
         if evicting_forward():
-            return None  # the attention wrapper builds the mask over physical slots itself
+            evicting = getattr(_forward, "mask_evicting", True)
+            _forward.mask_evicting = True
+            if evicting:
+                return None  # the attention wrapper builds the mask over physical slots itself
         return base_mask(*args, **kwargs)
 
     vase_mask.__name__ = f"vase_{base}_mask"
-    vase_mask.__doc__ = f"transformers' {base!r} mask; None in a forward with an EvictingCache (see vase.attention)."
+    vase_mask.__doc__ = (
+        f"transformers' {base!r} mask; None for an evicting layer in a forward with an EvictingCache (vase.attention)."
+    )
     return vase_mask
 
 
 def _post_hook(module, args, kwargs, output):
     _forward.evicting = False
+    _forward.mask_evicting = True
     return None
 
 

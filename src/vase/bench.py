@@ -40,13 +40,11 @@ def rss_bytes() -> tuple[int, int]:
 
 
 def kv_bytes(cache) -> int:
-    """Bytes of key/value tensors a cache holds now (any transformers cache)."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes a cache holds now (any transformers cache): key/value tensors, and the convolution and recurrent states
+    of linear-attention layers (hybrid models)."""
+    from .hybrid import state_bytes
+
+    return sum(state_bytes(layer) for layer in cache.layers)
 
 
 def _sync(device):

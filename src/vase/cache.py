@@ -3,7 +3,11 @@
 Per layer, keys and values live in buffers ``[batch, kv_heads, budget + buffer, head_dim]`` allocated once, in the
 model's dtype and on its device; they never move or grow while generating (VaSE, arXiv 2606.03928, Sec. 3.3).
 
-Bookkeeping, shared by all layers because every layer sees the same tokens on the same schedule:
+Hybrid models (gpt-oss, Gemma 3, OLMo 3, Qwen3-Next, Qwen3.5): only the full-attention layers are evicting layers;
+the sliding-window and linear-attention layers are transformers' own cache layers, built as ``DynamicCache(config=...)``
+builds them, in the same cache object (:mod:`vase.hybrid`). Everything below is about the evicting layers.
+
+Bookkeeping, shared by all evicting layers because every layer sees the same tokens on the same schedule:
 
 * the *logical* length (tokens seen, padding columns included) drives RoPE positions and ``get_seq_length``;
 * the *physical* fill of each row (slots holding real tokens, packed at the front in position order);
@@ -44,13 +48,13 @@ from torch.profiler import record_function
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention as attn
-from . import budgets, rng
+from . import budgets, hybrid, rng
 from .policies import make_policy
 from .policy import Policy
 from .scoring import EvictionContext
 from .selection import pack_valid, structural_masks
 
-SUPPORTED_LAYER_TYPES = ("full_attention",)
+SUPPORTED_LAYER_TYPES = hybrid.EVICTING_LAYER_TYPES + hybrid.KEPT_LAYER_TYPES
 
 
 def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -69,7 +73,7 @@ class CacheStats:
         policy: policy name.
         budget, buffer: tokens.
         batch: batch rows.
-        layers: cached layers.
+        layers: evicting (full-attention) layers.
         tokens_seen: logical length (tokens per row, padding columns included).
         real_tokens: real (non-padding) tokens seen by each row.
         slots_held: largest number of filled slots of a row, right now (tokens; with adaptive budgets the dead slots
@@ -77,14 +81,20 @@ class CacheStats:
         capacity: slots allocated per row and layer (tokens).
         evictions: forward passes in which at least one row evicted.
         tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
-        bytes_held: bytes of the key/value buffers allocated, all layers. With adaptive budgets they are allocated
-            for the cap (``budget_cap`` x budget + buffer slots per head), so this is more than the budget's bytes.
-        bytes_full: bytes a full (dynamic) cache would hold for the same tokens, all layers.
+        bytes_held: bytes held now, all layers: the key/value buffers allocated for the evicting layers, plus the
+            state the other layers of a hybrid model hold (``bytes_other``).
+        bytes_full: bytes the model's default cache (``DynamicCache(config=...)``) would hold for the same tokens:
+            the full-attention layers' keys and values for every token seen (padding columns included), plus
+            ``bytes_other`` (the other layers' state is the default cache's own). With adaptive budgets the evicting
+            buffers are allocated for the cap (``budget_cap`` x budget + buffer slots per head), so ``bytes_held`` is
+            more than the budget's bytes.
         eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
         protected: value slots the guard protected (or, with ``guard_mode='evict'``, demoted), summed over evictions,
             layers, rows and KV heads (0 without a guard); with ``guard_rule='outlier'`` the count varies per head.
-        bytes_live: bytes of the key/value entries holding a token right now, all layers: what attention reads
-            (below ``bytes_held`` by the free slots and, with adaptive budgets, the dead ones).
+        other_layers: layers of a hybrid model kept as transformers holds them (sliding-window, linear attention).
+        bytes_other: bytes those layers hold now (keys/values of a sliding window, convolution and recurrent states).
+        bytes_live: bytes of the evicting layers' key/value entries holding a token right now: what attention reads
+            there (below their buffers by the free slots and, with adaptive budgets, the dead ones).
     """
 
     policy: str
@@ -102,6 +112,8 @@ class CacheStats:
     bytes_full: int
     eviction_seconds: float
     protected: int = 0
+    other_layers: int = 0
+    bytes_other: int = 0
     bytes_live: int = 0
 
     @property
@@ -110,12 +122,18 @@ class CacheStats:
         return self.bytes_full / self.bytes_held if self.bytes_held else 1.0
 
     def line(self) -> str:
-        """A one-line human summary."""
+        """A one-line human summary (hybrid models: what the kept layers hold, counted in both totals, too)."""
         mib = 2.0**20
+        kept = (
+            f" (each incl. {self.bytes_other / mib:.1f} MiB in {self.other_layers} sliding/linear layers)"
+            if self.other_layers
+            else ""
+        )
         return (
             f"policy {self.policy}, budget {self.budget}+{self.buffer}: {self.evictions} evictions, "
             f"{self.tokens_seen} tokens seen, {self.slots_held}/{self.capacity} slots held, "
             f"KV {self.bytes_held / mib:.1f} MiB vs full {self.bytes_full / mib:.1f} MiB ({self.compression:.2f}x)"
+            f"{kept}"
         )
 
 
@@ -299,6 +317,7 @@ class EvictingLayer(CacheLayerMixin):
         Raises:
             RuntimeError: if vase's attention function did not run after the previous update (the model's
                 attention implementation was changed after the cache was made).
+            ValueError: keys whose KV heads or head dim differ from the model's layer the cache was made for.
         """
         c = self.cache
         if self._awaiting_attention:
@@ -307,6 +326,7 @@ class EvictingLayer(CacheLayerMixin):
                 f"{self.layer_idx}: the model's attention implementation was changed after the EvictingCache was "
                 "created. Build the cache again with EvictingCache(model, ...), or call vase.attention.install(model)."
             )
+        c._check_keys(self.layer_idx, key_states)
         step = c._step_for(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -709,10 +729,18 @@ class EvictingCache(Cache):
 
     Creating the cache installs vase's attention function on ``model`` (:func:`vase.attention.install`): it saves
     the post-RoPE queries for scoring, then calls the model's own sdpa / eager / flash_attention_2 function with a
-    mask over physical slots.
+    mask over physical slots. The kept layers of a hybrid model get transformers' own mask and attention, unchanged
+    (learned sinks, soft-capping, sliding windows, per-layer RoPE all stay the model's). Scoring recomputes attention
+    from saved queries with the layer's own ``scaling`` (Gemma's ``query_pre_attn_scalar``, Gemma 4's 1.0), but
+    without gpt-oss's learned sinks or a logit soft-cap. Neither changes the order of one query's weights over the
+    keys (a soft-cap is increasing in the logit; a sink only adds to the softmax denominator), only their scale, hence
+    how much each saved query counts in the mean over the window; the model's attention applies both.
 
     Args:
-        model: a ``transformers`` causal LM (Llama, Qwen3, Mistral, ... families: full attention layers).
+        model: a ``transformers`` causal LM: full-attention layers (Llama, Qwen3, DeepSeek-R1-Distill, ...), or a
+            hybrid model whose other layers are sliding-window or linear attention (gpt-oss, Gemma 3, OLMo 3,
+            Qwen3-Next, Qwen3.5): only the full-attention layers evict; the others keep the state transformers'
+            default cache gives them, in the same cache object (see :mod:`vase.hybrid`).
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
         budget: tokens kept per (row, layer, KV head) after each eviction (on average over the heads and layers with
             the policy options ``head_budget='adakv'`` / ``layer_budget='pyramid'``, at most ``budget_cap`` x budget
@@ -738,10 +766,10 @@ class EvictingCache(Cache):
         ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
             or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
             (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
-            a model with a layer type other
-            than full attention (sliding window, linear attention), adaptive budgets with an attention other than sdpa
-            or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the first layer's pyramid budget,
-            or, at the first forward, a cache reused for
+            a model with a layer kind vase cannot hold (see :func:`check_model_supported`), adaptive budgets with an
+            attention other than sdpa or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the
+            first layer's pyramid budget, or, at the first forward, keys of another shape than the model's, a cache
+            reused for
             another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
             it holds.
     """
@@ -782,20 +810,25 @@ class EvictingCache(Cache):
             check_published(self.policy, budget, buffer, self.window)
         self.record_evictions = record_evictions
         self.profile = profile
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_layers = config.num_hidden_layers
-        # adaptive budgets (policy options head_budget / layer_budget): per-layer budgets and the physical slots per
-        # (layer, KV head) for kept tokens; uniform: every layer keeps `budget` in `budget` slots
-        self.layer_budgets, self.slots = budgets.layout(
-            self.policy.options, budget, self.num_layers, sinks + self.recent
-        )
+        # One entry per decoder layer: full-attention layers evict, the others (sliding window, linear attention) are
+        # transformers' own layer classes, as in DynamicCache(config=...) (see vase.hybrid).
+        self._plan = hybrid.plan_layers(config)
+        self._evicting = [p.index for p in self._plan if p.evicts]
+        first = self._plan[self._evicting[0]]
+        self.num_kv_heads, self.head_dim = first.kv_heads, first.head_dim
+        self.num_layers = len(self._evicting)  # evicting layers: a forward pass is done when all of them are
+        # adaptive budgets (policy options head_budget / layer_budget): the budget of each evicting layer (by model
+        # layer index; PyramidKV's depth runs over the evicting layers) and the physical slots per (layer, KV head)
+        # for kept tokens; uniform: every layer keeps `budget` in `budget` slots
+        per_layer, self.slots = budgets.layout(self.policy.options, budget, self.num_layers, sinks + self.recent)
+        self.layer_budgets = dict(zip(self._evicting, per_layer))
         self.adaptive = self.policy.adaptive_budgets
         self.adakv = self.adaptive and self.policy.options.get("head_budget") == "adakv"
         if self.adaptive:
             budgets.check_head_budgets_supported(attn.base_implementation(model))
         self._model_ref = weakref.ref(model)
-        super().__init__(layers=[EvictingLayer(self, i) for i in range(self.num_layers)])
+        layers = [EvictingLayer(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
+        super().__init__(layers=layers)
         attn.install(model)
         self._clear()
 
@@ -817,8 +850,11 @@ class EvictingCache(Cache):
 
     def reset(self) -> None:
         """Empty the cache so it can be used again (any batch size) with the same model."""
-        for layer in self.layers:
-            layer.reset()
+        for p in self._plan:
+            if p.evicts:
+                self.layers[p.index].reset()
+            else:  # transformers' reset zeroes a layer's tensors in place (same batch size): start afresh instead
+                self.layers[p.index] = hybrid.kept_layer(p)
         self._clear()
 
     # ---------------------------------------------------------------------------------------- step planning
@@ -876,15 +912,19 @@ class EvictingCache(Cache):
             )
         self._step = None
 
+    def _check_keys(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        plan = self._plan[layer_idx]
+        h, d = key_states.shape[1], key_states.shape[-1]
+        if h != plan.kv_heads or d != plan.head_dim:
+            raise ValueError(
+                f"got keys with {h} KV heads of dim {d} in layer {layer_idx}, but this EvictingCache was made for a "
+                f"model with {plan.kv_heads} KV heads of dim {plan.head_dim} there: create one per model"
+            )
+
     def _step_for(self, key_states: torch.Tensor) -> _Step:
         if self._step is not None:
             return self._step
-        b, h, q, d = key_states.shape
-        if h != self.num_kv_heads or d != self.head_dim:
-            raise ValueError(
-                f"got keys with {h} KV heads of dim {d}, but this EvictingCache was made for a model with "
-                f"{self.num_kv_heads} KV heads of dim {self.head_dim}: create one per model"
-            )
+        b, q = key_states.shape[0], key_states.shape[2]
         self._check_batch(b)
         mask, self._pending_mask = self._pending_mask, None
         if self.batch is None:
@@ -919,7 +959,7 @@ class EvictingCache(Cache):
             evict_rows, keep = [], n
             if max(n) >= self.capacity:
                 self.capacity = max(n) + self.budget
-        append = q == 1 and self.layers[0].is_initialized
+        append = q == 1 and self.layers[self._evicting[0]].is_initialized
         uniform = new_valid is None and len(set(fill)) == 1
         self._step = _Step(
             q=q,
@@ -991,12 +1031,28 @@ class EvictingCache(Cache):
         return self._row_keys
 
     # ------------------------------------------------------------------------------------------ Cache protocol
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The model's cache update for layer ``layer_idx``: an evicting layer (see :meth:`EvictingLayer.update`), or
+        a kept layer of a hybrid model, whose returned keys vase's attention function then passes through unchanged
+        with transformers' own mask."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not self._plan[layer_idx].evicts:
+            attn.pass_through(keys)
+        return keys, values
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Logical length: tokens seen so far (padding columns included), as RoPE positions need."""
         return self._seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._seen + query_length, 0
+        """Sizes of the mask transformers builds for ``layer_idx``: logical ones for an evicting layer (vase's attention
+        function replaces that mask by its own over physical slots, so none is built), the layer's own for a kept
+        sliding-window layer (its usual mask is built and used)."""
+        evicts = not isinstance(self.layers[layer_idx], CacheLayerMixin) or self._plan[layer_idx].evicts
+        attn.mask_for(evicts)
+        if evicts:
+            return self._seen + query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     @property
     def is_compileable(self) -> bool:
@@ -1012,19 +1068,22 @@ class EvictingCache(Cache):
         return list(self._fill)
 
     def stats(self) -> CacheStats:
-        """Current :class:`CacheStats`."""
-        held = live = 0
-        elt = 0
-        for layer in self.layers:
-            if layer.is_initialized:
-                held += (
-                    layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                )
-                elt = layer.keys.element_size()
-                entry = layer.keys.shape[-1] * elt + layer.values.shape[-1] * layer.values.element_size()
+        """Current :class:`CacheStats` (bytes: see its attributes; the kept layers of a hybrid model count in both
+        ``bytes_held`` and ``bytes_full``)."""
+        held = full = other = live = 0
+        for p in self._plan:
+            layer = self.layers[p.index]
+            if not p.evicts:
+                other += hybrid.state_bytes(layer)
+            elif layer.is_initialized:
+                held += hybrid.state_bytes(layer)
+                b, h = layer.keys.shape[:2]
+                entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                full += b * h * self._seen * entry
                 live += int((layer.positions >= 0).sum()) * entry
+        held += other
+        full += other
         batch = self.batch or 0
-        full = batch * self.num_kv_heads * self._seen * self.head_dim * 2 * elt * self.num_layers
         return CacheStats(
             policy=self.policy.name,
             budget=self.budget,
@@ -1041,6 +1100,8 @@ class EvictingCache(Cache):
             bytes_full=full,
             eviction_seconds=self._eviction_seconds,
             protected=int(self._protected),
+            other_layers=len(self._plan) - len(self._evicting),
+            bytes_other=other,
             bytes_live=live,
         )
 
@@ -1123,25 +1184,11 @@ def check_published(policy: Policy, budget: int, buffer: int, window: int) -> No
 
 
 def check_model_supported(config) -> None:
-    """Raise a clear ValueError if a layer type of ``config`` is not full attention.
+    """Raise a clear ValueError if ``config`` (a decoder config) has layers an :class:`EvictingCache` cannot hold.
 
-    Sliding-window, chunked and linear-attention layers keep their own bounded or recurrent state; vase does not
-    compress them and refuses such models rather than evicting wrongly.
+    Full-attention layers are evicted; sliding-window and linear-attention layers (gpt-oss, Gemma 3, OLMo 3,
+    Qwen3-Next, Qwen3.5) are kept as transformers' default cache holds them. Refused, with the reason: chunked
+    attention, short-convolution and combined linear/attention layers, sparse-indexer layers, KV sharing between
+    layers, and models without any full-attention layer (see :func:`vase.hybrid.plan_layers`).
     """
-    types = getattr(config, "layer_types", None) or []
-    bad = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
-    if (
-        not bad
-        and not types
-        and getattr(config, "sliding_window", None)
-        and getattr(config, "use_sliding_window", True)
-    ):
-        bad = ["sliding_attention"]
-    if bad:
-        raise ValueError(
-            f"this model has layer type(s) {', '.join(bad)}; EvictingCache supports only full-attention layers "
-            f"({config.model_type}). Use a model whose layers are all full attention (Llama, Qwen3, Qwen2, Mistral "
-            "without sliding window, DeepSeek-R1-Distill)"
-        )
-    if getattr(config, "num_key_value_heads", None) is None:
-        raise ValueError(f"model type {config.model_type!r} has no num_key_value_heads: not a supported decoder")
+    hybrid.plan_layers(config)

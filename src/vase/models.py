@@ -163,6 +163,21 @@ def _load_embedded(dtype: torch.dtype, device: torch.device, attn: str):
     return model.to(device=device, dtype=dtype), tok
 
 
+def _from_pretrained(source, kwargs: dict, extra: dict):
+    """``AutoModelForCausalLM.from_pretrained``; a model class without sdpa support (gpt-oss: its learned attention
+    sinks are in its eager function) asked for the default ``sdpa`` is loaded with ``eager`` instead, with a warning.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs, **extra)
+    except ValueError as exc:
+        if kwargs.get("attn_implementation") != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+            raise
+    warnings.warn(f"{source}: this model has no sdpa attention in transformers; using eager attention", stacklevel=3)
+    return AutoModelForCausalLM.from_pretrained(source, **{**kwargs, "attn_implementation": "eager"}, **extra)
+
+
 def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto", attn: str = "sdpa") -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
@@ -171,12 +186,13 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
             file); a path to a ``.gguf`` file; or a hub id such as ``Qwen/Qwen3-4B``.
         dtype: ``auto`` (bf16 on cuda, fp32 on cpu), ``float32``, ``bfloat16``, ``float16``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``...
-        attn: ``sdpa`` (default), ``eager`` or ``flash_attention_2`` (GPU, needs flash-attn).
+        attn: ``sdpa`` (default), ``eager`` or ``flash_attention_2`` (GPU, needs flash-attn). A model without sdpa
+            in transformers (gpt-oss) asked for ``sdpa`` gets ``eager``, with a warning.
 
     Raises:
         ModelLoadError: missing path, unreadable GGUF, hub id not reachable, bad dtype/device/attention.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     _quiet_transformers()
     dev, dt = check_load_options(dtype, device, attn)
@@ -204,7 +220,7 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
         try:
             extra = {"gguf_file": gguf_file} if gguf_file else {}
             tok = AutoTokenizer.from_pretrained(path, **extra)
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs, **extra)
+            model = _from_pretrained(path, kwargs, extra)
         except Exception as exc:  # noqa: BLE001
             what = f"GGUF file {path / gguf_file}" if gguf_file else f"model folder {path}"
             raise ModelLoadError(f"could not load {what}: {str(exc).splitlines()[0]}") from None
@@ -212,7 +228,7 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
 
     try:
         tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        model = _from_pretrained(name, kwargs, {})
     except Exception as exc:  # noqa: BLE001
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(
