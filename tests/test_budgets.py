@@ -425,3 +425,42 @@ def test_scorers_skip_dead_slots(policy):
             )
         )
         torch.testing.assert_close(both[0, head, live[head]], alone[0, 0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fam", ["gpt_oss", "olmo3", "qwen3_5"])
+def test_hybrid_models_with_adaptive_budgets(fam):
+    """Hybrid models (sliding-window or linear-attention layers kept as transformers holds them): with AdaKV and
+    PyramidKV over the evicting layers, every decode step's logits equal a dense replay whose full-attention layers
+    attend per KV head only to that head's live tokens (tests/test_hybrid.py's masked-dense reference)."""
+    from transformers import DynamicCache
+
+    from .test_hybrid import MaskedDense, hybrid_model, ids_of, run_with_eviction
+
+    policy = "snapkv:head_budget=adakv:layer_budget=pyramid:head_floor=0"
+    model = hybrid_model(fam)
+    ids = ids_of(20)
+    steps = 50
+    cache, logits, tokens, helds = run_with_eviction(model, ids, steps, policy=policy, budget=16, buffer=8)
+    full = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    assert cache.stats().evictions >= 4 and sorted(cache.layer_budgets) == full
+    assert sum(cache.layer_budgets.values()) == 16 * len(full)
+    # at some step, the heads of an evicting layer held different counts
+    assert any(len(set((held[i] >= 0).sum(-1).tolist())) > 1 for held in helds for i in full)
+
+    ref_model = hybrid_model(fam)
+    ref = MaskedDense(ref_model)
+    default = DynamicCache(config=ref_model.config)
+    with torch.no_grad():
+        ref_model(input_ids=ids, cache=default)
+        for t in range(steps):
+            seen = ids.shape[1] + t
+            ref.allowed = {}
+            for i in full:
+                pos = helds[t][i]  # [kv_heads, fill]; -1 = dead or free
+                allowed = torch.zeros((1, pos.shape[0], seen + 1), dtype=torch.bool)
+                for h in range(pos.shape[0]):
+                    allowed[0, h, pos[h][pos[h] >= 0]] = True
+                allowed[..., seen] = True
+                ref.allowed[i] = allowed
+            out = ref_model(input_ids=tokens[:, t : t + 1], cache=default).logits[:, -1]
+            torch.testing.assert_close(out, logits[t], rtol=1e-4, atol=1e-5)
