@@ -153,6 +153,7 @@ ADAPTIVE = (
     "rkv:head_budget=adakv",
     "snapkv:head_budget=adakv:layer_budget=pyramid:head_floor=0",
     "vase:layer_budget=pyramid",
+    "vase:preset=paper:head_budget=adakv",  # the prompt kept dense until the first eviction
 )
 _REF: dict = {}
 
