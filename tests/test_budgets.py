@@ -465,3 +465,24 @@ def test_hybrid_models_with_adaptive_budgets(fam):
                 ref.allowed[i] = allowed
             out = ref_model(input_ids=tokens[:, t : t + 1], cache=default).logits[:, -1]
             torch.testing.assert_close(out, logits[t], rtol=1e-4, atol=1e-5)
+
+
+def test_fidelity_replay_with_adaptive_budgets_reports_its_memory():
+    """Teacher-forced replay (chunks ending where the cache evicts) runs with adaptive budgets, equals token-by-token
+    decoding, and its record says the slots and the memory compression the cap really gives."""
+    from vase.fidelity import adaptive_slots, replay
+
+    model = tiny_model("llama", "sdpa", layers=3)
+    prompt, cont = random_ids(30, seed=8)[0], random_ids(60, seed=9)[0]
+    policy = "snapkv:head_budget=adakv:layer_budget=pyramid"
+    logprobs, cache = replay(model, prompt, cont, policy, BUDGET, BUFFER, record=True)
+    step = vase.EvictingCache(model, policy=policy, budget=BUDGET, buffer=BUFFER)
+    with torch.no_grad():
+        out = [model(input_ids=prompt.view(1, -1), cache=step).logits[0, -1:]]
+        out += [model(input_ids=t.view(1, 1), cache=step).logits[0] for t in cont[:-1]]
+    torch.testing.assert_close(logprobs, torch.log_softmax(torch.cat(out), -1), atol=1e-4, rtol=1e-4)
+    info = adaptive_slots(cache)
+    assert info["slots"] == cache.slots == 2 * BUDGET
+    full = (30 + 59) / (cache.slots + BUFFER)  # all layers alike: tokens seen over slots allocated per head
+    assert info["memory_compression"] == pytest.approx(full)
+    assert adaptive_slots(vase.EvictingCache(model, policy="snapkv", budget=BUDGET, buffer=BUFFER)) == {}

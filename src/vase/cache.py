@@ -513,8 +513,8 @@ class EvictingLayer(CacheLayerMixin):
         adaptive budgets) hold the ``r`` rows scored (copies when only some rows are). ``state`` maps each of the
         policy's state names to ``[r, H, S]`` float32: the scorer updates it in place or replaces its entries, so on
         return ``state`` holds the new state of those rows' slots, and the caller must write it back with them (see
-        :meth:`_write`). The per-row memo
-        (``row_memo``, e.g. how far H2O has accumulated) is written back here, for exactly these rows.
+        :meth:`_write`). The per-row memo (``row_memo``, e.g. how far H2O has accumulated) is written back here, for
+        exactly these rows.
         """
         c = self.cache
         sel_rows = None if rows is None else step.tensor(("rows", tuple(rows)), rows)
@@ -769,9 +769,8 @@ class EvictingCache(Cache):
             a model with a layer kind vase cannot hold (see :func:`check_model_supported`), adaptive budgets with an
             attention other than sdpa or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the
             first layer's pyramid budget, or, at the first forward, keys of another shape than the model's, a cache
-            reused for
-            another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
-            it holds.
+            reused for another model or batch size, or reused without :meth:`reset` for a new prompt no longer than
+            the tokens it holds.
     """
 
     def __init__(
