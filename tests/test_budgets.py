@@ -286,7 +286,7 @@ def test_counts_sum_to_the_static_total_after_every_eviction(attn, policy):
     assert cache.capacity == cache.slots + BUFFER
 
 
-@pytest.mark.parametrize("policy", [p for p in vase.POLICY_NAMES if p != "full"])
+@pytest.mark.parametrize("policy", [p for p in vase.POLICY_NAMES if vase.make_policy(p).evicts])
 @pytest.mark.parametrize("variant", ["layer_budget=pyramid:pyramid_beta=1", "head_budget=adakv:head_floor=1"])
 def test_adaptive_path_with_uniform_counts_equals_uniform_cache(policy, variant):
     """Uniform counts through the adaptive path (per-head masks, per-head validity, and with AdaKV twice the slots,
