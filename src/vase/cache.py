@@ -66,7 +66,7 @@ class CacheStats:
         capacity: slots allocated per row and layer (tokens).
         evictions: forward passes in which at least one row evicted.
         tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
-        bytes_held: bytes of the key/value buffers allocated, all layers.
+        bytes_held: bytes of the key/value buffers allocated, all layers (with the page metadata of ``quest``).
         bytes_full: bytes a full (dynamic) cache would hold for the same tokens, all layers.
         eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
     """
@@ -230,6 +230,7 @@ class EvictingLayer(CacheLayerMixin):
         self._staged = None
         self._awaiting_attention = False
         self.last_eviction: dict | None = None
+        self.pages = None  # page metadata of a selection policy (quest: vase.pages.PageTable)
 
     @property
     def cache(self) -> EvictingCache:
@@ -294,6 +295,8 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         elif self.capacity < step.capacity and not c.policy.evicts:
             self._grow(step.capacity)
+        if c.policy.sparse is not None:
+            c.policy.sparse.write(self, step, key_states)
         if step.append:
             out_k, out_v = self._append(step, key_states, value_states)
         else:
@@ -389,9 +392,13 @@ class EvictingLayer(CacheLayerMixin):
         self.query_valid.copy_(cand_v.gather(1, keep))
         self._q_next = 0
 
-    def attention_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask over physical slots for this step (see :meth:`_Step.mask`)."""
-        return self.cache._step.mask(kind, dtype)
+    def attention_mask(self, kind: str, dtype: torch.dtype, query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mask over physical slots for this step (see :meth:`_Step.mask`); a selection policy (quest) narrows it
+        per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see :mod:`vase.pages`)."""
+        c = self.cache
+        if c.policy.sparse is not None:
+            return c.policy.sparse.mask(self, c._step, query, kind, dtype, c.budget, c.sinks)
+        return c._step.mask(kind, dtype)
 
     @torch.no_grad()
     def after_attention(self) -> None:
@@ -601,6 +608,7 @@ class EvictingLayer(CacheLayerMixin):
         self._staged = None
         self._awaiting_attention = False
         self.last_eviction = None
+        self.pages = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -691,6 +699,8 @@ class EvictingCache(Cache):
         self.compress_prompt = self.policy.compress_prompt if compress_prompt is None else bool(compress_prompt)
         if self.policy.published:
             check_published(self.policy, budget, buffer, self.window)
+        if self.policy.sparse is not None:
+            self.policy.sparse.check(budget, sinks, attn.base_implementation(model))
         self.record_evictions = record_evictions
         self.profile = profile
         self.num_kv_heads = config.num_key_value_heads
@@ -915,6 +925,7 @@ class EvictingCache(Cache):
                 held += (
                     layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 )
+                held += layer.pages.nbytes if layer.pages is not None else 0
                 elt = layer.keys.element_size()
         batch = self.batch or 0
         full = batch * self.num_kv_heads * self._seen * self.head_dim * 2 * elt * self.num_layers
