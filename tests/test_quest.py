@@ -285,9 +285,17 @@ def test_eval_and_fidelity_run_with_quest(tmp_path):
 
     lm = tiny_lm()
     task = tmp_path / "t.jsonl"
-    task.write_text("".join(json.dumps({"question": f"{i} + {i}?", "answer": f"#### {2 * i}"}) + "\n" for i in range(2)))
+    task.write_text(
+        "".join(json.dumps({"question": f"{i} + {i}?", "answer": f"#### {2 * i}"}) + "\n" for i in range(2))
+    )
     cfg = EvalConfig(
-        model="tiny", tasks=[str(task)], policies=["quest", "vase"], budgets=[40], seeds=[0], max_new_tokens=40, buffer=8
+        model="tiny",
+        tasks=[str(task)],
+        policies=["quest", "vase"],
+        budgets=[40],
+        seeds=[0],
+        max_new_tokens=40,
+        buffer=8,
     )
     recs = read_records(run_sweep(cfg, tmp_path / "eval", batch_size=2, progress=False, lm=lm))
     quest = [r for r in recs if r["policy"] == "quest"]
@@ -304,20 +312,53 @@ def test_cli_generate_and_bench_with_quest_on_the_embedded_model(embedded, tmp_p
     """The command line with quest on the embedded model: generate (stats line), and bench next to the full cache
     (quest's KV bytes grow, so the 'constant KV' goal covers the evicting policies only)."""
     gen = subprocess.run(
-        [sys.executable, "-m", "vase.cli", "generate", "--policy", "quest", "--budget", "48", "-n", "24",
-         "--min-new-tokens", "24", "What is 2 + 3?"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "vase.cli",
+            "generate",
+            "--policy",
+            "quest",
+            "--budget",
+            "48",
+            "--buffer",
+            "16",
+            "-n",
+            "24",
+            "--min-new-tokens",
+            "24",
+            "What is 2 + 3?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "policy quest, 0 evictions" in gen.stdout
     bench = subprocess.run(
-        [sys.executable, "-m", "vase.cli", "bench", "--out", str(tmp_path), "--lengths", "16,40", "--budgets", "40",
-         "--buffer", "8", "--policies", "quest,streaming_llm"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "vase.cli",
+            "bench",
+            "--out",
+            str(tmp_path),
+            "--lengths",
+            "4,64",
+            "--budgets",
+            "40",
+            "--buffer",
+            "8",
+            "--policies",
+            "quest,streaming_llm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert bench.returncode == 0, bench.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["policy"], r["budget"]) for r in data["runs"]] == [("full", None), ("quest", 40), ("streaming_llm", 40)]
     marks = data["runs"][1]["marks"]
-    assert marks[1]["kv_bytes"] > marks[0]["kv_bytes"]
+    assert marks[1]["kv_bytes"] > marks[0]["kv_bytes"]  # 50 tokens held in 54 slots, then 110 in 134
     assert "for every evicting policy: met" in bench.stdout

@@ -165,7 +165,8 @@ def paired_speed(
 
     Returns:
         ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
-        "vs_first"}]}``; tokens/s = steps / total seconds of that policy's blocks.
+        "vs_first", "kv_bytes"}]}``; tokens/s = steps / total seconds of that policy's blocks; ``kv_bytes``: what
+        its cache holds at the end (:func:`kv_bytes`: buffers allocated, quest's page metadata included).
 
     Raises:
         ValueError: for ``steps`` < 1 or a ``context`` shorter than ``budget + buffer``.
@@ -207,6 +208,7 @@ def paired_speed(
             "tok_s": steps / s["seconds"],
             "block_tok_s": [min(s["blocks"]), max(s["blocks"])],
             "vs_first": steps / s["seconds"] / first,
+            "kv_bytes": kv_bytes(s["cache"]),
         }
         for s in states
     ]
@@ -221,11 +223,14 @@ def paired_markdown(res: dict) -> str:
         f"{res['steps']} steps per policy in turns of {res['buffer']}; budget {res['budget']} + buffer "
         f"{res['buffer']}:",
         "",
-        *_table(["policy", "tok/s", "slowest / fastest turn (tok/s)", f"× {ref}"]),
+        *_table(["policy", "tok/s", "slowest / fastest turn (tok/s)", f"× {ref}", "KV MiB at the end", f"KV × {ref}"]),
     ]
+    kv_ref = res["runs"][0].get("kv_bytes")
     for r in res["runs"]:
         lo, hi = r["block_tok_s"]
-        lines.append(_row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}"]))
+        kv = r.get("kv_bytes")
+        mem = [f"{kv / MIB:.1f}", f"{kv / kv_ref:.3f}"] if kv is not None and kv_ref else ["—", "—"]
+        lines.append(_row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}", *mem]))
     return "\n".join(lines) + "\n"
 
 

@@ -61,9 +61,7 @@ def page_bound(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> t
     return (hi + lo).view(b, hq, q, n)
 
 
-def select_pages(
-    bounds: torch.Tensor, positions: torch.Tensor, page: int, sinks: int, budget: int
-) -> torch.Tensor:
+def select_pages(bounds: torch.Tensor, positions: torch.Tensor, page: int, sinks: int, budget: int) -> torch.Tensor:
     """The pages each query attends to: its own page, the sink pages, and the top candidate pages by bound.
 
     Args:
@@ -166,7 +164,11 @@ class PageSelection:
     page: int = 16
 
     def describe(self) -> str:
-        return f"attends per query head to its own page, the sink pages and the top pages of {self.page} tokens by q.k bound"
+        """One line on what each query attends to."""
+        return (
+            f"attends per query head to its own page, the sink pages and the top pages of {self.page} tokens by "
+            "q.k bound"
+        )
 
     def check(self, budget: int | None, sinks: int, attn: str | None = None) -> None:
         """Raise a clear ValueError for sizes or an attention implementation this selection cannot take.
