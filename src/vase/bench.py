@@ -148,6 +148,7 @@ def paired_speed(
     steps: int = 512,
     prompt: str = DEFAULT_PROMPT,
     progress: bool = True,
+    make_cache=None,
 ) -> dict:
     """Decode speed of several caches measured in one process, interleaved, at the same context length.
 
@@ -162,6 +163,8 @@ def paired_speed(
         budget, buffer: cache sizes in tokens for the evicting policies.
         context: prompt length in tokens (the full cache decodes at ``context`` to ``context + steps``).
         steps: decode steps per policy (a multiple of ``buffer`` measures whole eviction cycles).
+        make_cache: ``(model, policy, budget, buffer) -> cache`` for caches other than the default ones (a label
+            the caller defines, e.g. the ``full`` policy in vase's static buffers); default: :func:`_make_cache`.
 
     Returns:
         ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
@@ -178,7 +181,7 @@ def paired_speed(
     ids = _repeated_prompt(lm, prompt, context)
     states = []
     for policy in policies:
-        cache = _make_cache(lm.model, policy, budget, buffer)
+        cache = (make_cache or _make_cache)(lm.model, policy, budget, buffer)
         nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
         states.append({"policy": policy, "cache": cache, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []})
     bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)

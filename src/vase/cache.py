@@ -640,7 +640,8 @@ class EvictingCache(Cache):
     Args:
         model: a ``transformers`` causal LM (Llama, Qwen3, Mistral, ... families: full attention layers).
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
-        budget: tokens kept per (row, layer, KV head) after each eviction.
+        budget: tokens kept per (row, layer, KV head) after each eviction; for the selection policy ``quest``, which
+            keeps every token, the tokens each query attends to (see :mod:`vase.pages`).
         buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps.
         sinks: first tokens of each row always kept (attention sinks), default 4.
         window: saved queries per layer for attention-based scorers (default: the policy's window; the buffer for
@@ -661,7 +662,8 @@ class EvictingCache(Cache):
             or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
             (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
             a model with a layer type other
-            than full attention (sliding window, linear attention), or, at the first forward, a cache reused for
+            than full attention (sliding window, linear attention), for ``quest`` a budget below its forced pages
+            or a flash-attention model, or, at the first forward, a cache reused for
             another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
             it holds.
     """

@@ -97,8 +97,9 @@ class PageTable:
     """Page metadata of one layer: per (row, KV head, page) the element-wise min and max of the page's keys.
 
     Tensors ``kmin``, ``kmax``: ``[B, kv_heads, pages, D]`` in the keys' dtype; a page not written yet holds
-    ``+inf`` / ``-inf``. Grown (doubled) when tokens arrive past the last page. Updated incrementally: writing keys
-    only folds them into the min/max of their own pages (:meth:`write`).
+    ``+inf`` / ``-inf``. Sized to cover the slots of the layer's buffers (grown with them): 1/``page`` of the bytes
+    of the keys and values. Updated incrementally: writing keys only folds them into the min/max of their own pages
+    (:meth:`write`).
     """
 
     def __init__(self, page: int):
@@ -118,7 +119,7 @@ class PageTable:
         have = 0 if self.kmin is None else self.kmin.shape[2]
         if have >= pages:
             return
-        size = max(pages, 2 * have)
+        size = pages
         kmin = torch.full((b, h, size, d), float("inf"), dtype=keys.dtype, device=keys.device)
         kmax = torch.full((b, h, size, d), float("-inf"), dtype=keys.dtype, device=keys.device)
         if have:
@@ -127,7 +128,9 @@ class PageTable:
         self.kmin, self.kmax = kmin, kmax
 
     @torch.no_grad()
-    def write(self, keys: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None, last: int) -> None:
+    def write(
+        self, keys: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None, last: int, slots: int = 0
+    ) -> None:
         """Fold new keys into the metadata of their pages.
 
         Args:
@@ -135,9 +138,11 @@ class PageTable:
             positions: ``[B, q]`` int64 logical position of each; valid: ``[B, q]`` bool (False: padding, ignored),
                 or None (all real).
             last: the largest position written over all rows (host int: sizes the table without a device sync).
+            slots: the slots of the layer's buffers (tokens): the table covers at least as many, so it grows with
+                them, not at every page.
         """
         b, h, q, d = keys.shape
-        self._ensure(keys, last // self.page + 1)
+        self._ensure(keys, max(last, slots - 1) // self.page + 1)
         pg = (positions // self.page).view(b, 1, q, 1).expand(b, h, q, d)
         lo = hi = keys
         if valid is not None:
@@ -196,7 +201,7 @@ class PageSelection:
         if layer.pages is None:
             layer.pages = PageTable(self.page)
         last = max(r + c for r, c in zip(step.real_before, step.counts)) - 1
-        layer.pages.write(keys, step.new_positions(), step.new_valid, max(last, 0))
+        layer.pages.write(keys, step.new_positions(), step.new_valid, max(last, 0), layer.keys.shape[2])
 
     def mask(self, layer, step, query: torch.Tensor, kind: str, dtype: torch.dtype, budget: int, sinks: int):
         """The attention mask of this layer's step: the step's own mask at prefill and when every query may attend
