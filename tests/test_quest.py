@@ -164,6 +164,12 @@ def test_budget_at_least_the_length_equals_the_full_cache(family, attn):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     st = quest.stats()
     assert st.evictions == 0 and st.slots_held == 40
+    # fidelity: exactly the full cache's distributions
+    from vase.fidelity import compare, replay
+
+    prompt, cont = out[0, :24], out[0, 24:]
+    res = compare(replay(model, prompt, cont, "full", 64, 8), replay(model, prompt, cont, "quest", 64, 8), cont, 16)
+    assert res["kl_mean"] == 0.0 and res["top1"] == 1.0
 
 
 def _decode_logits(model, prompt, cont, cache, chunk: bool):
