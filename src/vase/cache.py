@@ -71,7 +71,7 @@ class CacheStats:
         evictions: forward passes in which at least one row evicted.
         tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
         bytes_held: bytes held now, all layers: the key/value buffers allocated for the evicting layers, plus the
-            state the other layers of a hybrid model hold (``bytes_other``).
+            state the other layers of a hybrid model hold (``bytes_other``); with the page metadata of ``quest``.
         bytes_full: bytes the model's default cache (``DynamicCache(config=...)``) would hold for the same tokens:
             the full-attention layers' keys and values for every token seen (padding columns included), plus
             ``bytes_other`` (the other layers' state is the default cache's own).
@@ -250,6 +250,7 @@ class EvictingLayer(CacheLayerMixin):
         self._staged = None
         self._awaiting_attention = False
         self.last_eviction: dict | None = None
+        self.pages = None  # page metadata of a selection policy (quest: vase.pages.PageTable)
 
     @property
     def cache(self) -> EvictingCache:
@@ -316,6 +317,8 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         elif self.capacity < step.capacity and not c.policy.evicts:
             self._grow(step.capacity)
+        if c.policy.sparse is not None:
+            c.policy.sparse.write(self, step, key_states)
         if step.append:
             out_k, out_v = self._append(step, key_states, value_states)
         else:
@@ -411,9 +414,13 @@ class EvictingLayer(CacheLayerMixin):
         self.query_valid.copy_(cand_v.gather(1, keep))
         self._q_next = 0
 
-    def attention_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask over physical slots for this step (see :meth:`_Step.mask`)."""
-        return self.cache._step.mask(kind, dtype)
+    def attention_mask(self, kind: str, dtype: torch.dtype, query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mask over physical slots for this step (see :meth:`_Step.mask`); a selection policy (quest) narrows it
+        per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see :mod:`vase.pages`)."""
+        c = self.cache
+        if c.policy.sparse is not None:
+            return c.policy.sparse.mask(self, c._step, query, kind, dtype, c.budget, c.sinks)
+        return c._step.mask(kind, dtype)
 
     @torch.no_grad()
     def after_attention(self) -> None:
@@ -629,6 +636,7 @@ class EvictingLayer(CacheLayerMixin):
         self._staged = None
         self._awaiting_attention = False
         self.last_eviction = None
+        self.pages = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -668,7 +676,8 @@ class EvictingCache(Cache):
             Qwen3-Next, Qwen3.5): only the full-attention layers evict; the others keep the state transformers'
             default cache gives them, in the same cache object (see :mod:`vase.hybrid`).
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
-        budget: tokens kept per (row, layer, KV head) after each eviction.
+        budget: tokens kept per (row, layer, KV head) after each eviction; for the selection policy ``quest``, which
+            keeps every token, the tokens each query attends to (see :mod:`vase.pages`).
         buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps. The
             policy option ``recent`` keeps another count of newest tokens instead (see :func:`recent_window`).
         sinks: first tokens of each row always kept (attention sinks), default 4.
@@ -690,7 +699,8 @@ class EvictingCache(Cache):
         ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
             or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
             (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
-            a model with a layer kind vase cannot hold (see :func:`check_model_supported`), or, at the first forward,
+            a model with a layer kind vase cannot hold (see :func:`check_model_supported`),
+            for ``quest`` a budget below its forced pages or a flash-attention model, or, at the first forward,
             keys of another shape than the model's, a cache reused for
             another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
             it holds.
@@ -730,6 +740,8 @@ class EvictingCache(Cache):
         self.compress_prompt = self.policy.compress_prompt if compress_prompt is None else bool(compress_prompt)
         if self.policy.published:
             check_published(self.policy, budget, buffer, self.window)
+        if self.policy.sparse is not None:
+            self.policy.sparse.check(budget, sinks, attn.base_implementation(model))
         self.record_evictions = record_evictions
         self.profile = profile
         # One entry per decoder layer: full-attention layers evict, the others (sliding window, linear attention) are
@@ -984,6 +996,7 @@ class EvictingCache(Cache):
                 other += hybrid.state_bytes(layer)
             elif layer.is_initialized:
                 held += hybrid.state_bytes(layer)
+                held += layer.pages.nbytes if layer.pages is not None else 0  # quest's page metadata
                 b, h = layer.keys.shape[:2]
                 full += b * h * self._seen * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
         held += other

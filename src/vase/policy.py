@@ -73,6 +73,8 @@ class Policy:
         options: the resolved options it was built with (``prompt``: 'compress' compresses a prompt longer than the
             budget at prefill, 'dense' keeps it whole until the first eviction; ``preset``: 'paper' for the
             published method; ``recent``: the newest tokens always kept, None = the cache's buffer).
+        sparse: for a selection policy that never evicts (``quest``), its per-step attention rule
+            (:class:`vase.pages.PageSelection`): which held entries each query attends to; None otherwise.
     """
 
     name: str
@@ -82,10 +84,11 @@ class Policy:
     source: str
     keeps: str
     options: dict
+    sparse: Any = None
 
     @property
     def evicts(self) -> bool:
-        """False for ``full``, which never evicts."""
+        """False for ``full`` and ``quest``, which never evict."""
         return self.scorer is not None
 
     @property
@@ -120,7 +123,7 @@ class Policy:
     def describe(self) -> str:
         """One line: scorer + guard + selector."""
         if not self.evicts:
-            return f"{self.name}: never evicts"
+            return f"{self.name}: never evicts" + (f"; {self.sparse.describe()}" if self.sparse is not None else "")
         parts = [self.scorer.describe()]
         if self.guard is not None:
             parts.append(self.guard.describe())
