@@ -104,7 +104,7 @@ def _make_wrapper(base: str):
                 )
             return fn(module, query, key, value, attention_mask, **kwargs)
         layer.record_queries(query, kwargs.get("scaling"))
-        mask = layer.attention_mask(kind, query.dtype)
+        mask = layer.attention_mask(kind, query.dtype, query)
         out = fn(module, query, key, value, mask, **kwargs)
         layer.after_attention()
         return out

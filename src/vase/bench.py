@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .policies import make_policy
+
 DEFAULT_PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a mysterious map."
 MIB = 2.0**20
 
@@ -40,11 +42,15 @@ def rss_bytes() -> tuple[int, int]:
 
 
 def kv_bytes(cache) -> int:
-    """Bytes a cache holds now (any transformers cache): key/value tensors, and the convolution and recurrent states
-    of linear-attention layers (hybrid models)."""
+    """Bytes a cache holds now (any transformers cache): key/value tensors, the convolution and recurrent states of
+    linear-attention layers (hybrid models), and quest's page metadata."""
     from .hybrid import state_bytes
 
-    return sum(state_bytes(layer) for layer in cache.layers)
+    total = 0
+    for layer in cache.layers:
+        pages = getattr(layer, "pages", None)
+        total += state_bytes(layer) + (pages.nbytes if pages is not None else 0)
+    return total
 
 
 def _sync(device):
@@ -142,6 +148,7 @@ def paired_speed(
     steps: int = 512,
     prompt: str = DEFAULT_PROMPT,
     progress: bool = True,
+    make_cache=None,
 ) -> dict:
     """Decode speed of several caches measured in one process, interleaved, at the same context length.
 
@@ -156,10 +163,13 @@ def paired_speed(
         budget, buffer: cache sizes in tokens for the evicting policies.
         context: prompt length in tokens (the full cache decodes at ``context`` to ``context + steps``).
         steps: decode steps per policy (a multiple of ``buffer`` measures whole eviction cycles).
+        make_cache: ``(model, policy, budget, buffer) -> cache`` for caches other than the default ones (a label
+            the caller defines, e.g. the ``full`` policy in vase's static buffers); default: :func:`_make_cache`.
 
     Returns:
         ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
-        "vs_first"}]}``; tokens/s = steps / total seconds of that policy's blocks.
+        "vs_first", "kv_bytes"}]}``; tokens/s = steps / total seconds of that policy's blocks; ``kv_bytes``: what
+        its cache holds at the end (:func:`kv_bytes`: buffers allocated, quest's page metadata included).
 
     Raises:
         ValueError: for ``steps`` < 1 or a ``context`` shorter than ``budget + buffer``.
@@ -171,7 +181,7 @@ def paired_speed(
     ids = _repeated_prompt(lm, prompt, context)
     states = []
     for policy in policies:
-        cache = _make_cache(lm.model, policy, budget, buffer)
+        cache = (make_cache or _make_cache)(lm.model, policy, budget, buffer)
         nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
         states.append({"policy": policy, "cache": cache, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []})
     bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)
@@ -201,6 +211,7 @@ def paired_speed(
             "tok_s": steps / s["seconds"],
             "block_tok_s": [min(s["blocks"]), max(s["blocks"])],
             "vs_first": steps / s["seconds"] / first,
+            "kv_bytes": kv_bytes(s["cache"]),
         }
         for s in states
     ]
@@ -215,11 +226,14 @@ def paired_markdown(res: dict) -> str:
         f"{res['steps']} steps per policy in turns of {res['buffer']}; budget {res['budget']} + buffer "
         f"{res['buffer']}:",
         "",
-        *_table(["policy", "tok/s", "slowest / fastest turn (tok/s)", f"× {ref}"]),
+        *_table(["policy", "tok/s", "slowest / fastest turn (tok/s)", f"× {ref}", "KV MiB at the end", f"KV × {ref}"]),
     ]
+    kv_ref = res["runs"][0].get("kv_bytes")
     for r in res["runs"]:
         lo, hi = r["block_tok_s"]
-        lines.append(_row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}"]))
+        kv = r.get("kv_bytes")
+        mem = [f"{kv / MIB:.1f}", f"{kv / kv_ref:.3f}"] if kv is not None and kv_ref else ["—", "—"]
+        lines.append(_row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}", *mem]))
     return "\n".join(lines) + "\n"
 
 
@@ -378,7 +392,7 @@ def bench_markdown(data: dict) -> str:
         )
     lines = [intro, "", "Decode speed:", "", *speed, "", "Memory:", "", *memory]
     lines += ["", "Goals:", ""]
-    evicting = [k for k in summary if k[0] != "full"]
+    evicting = [k for k in summary if make_policy(k[0]).evicts]  # quest keeps the whole cache: its KV grows
     vase = [k for k in summary if k[0] == "vase"]
     if evicting:
         flat = all(summary[k]["kv_flat"] for k in evicting)

@@ -82,7 +82,7 @@ class CacheStats:
         evictions: forward passes in which at least one row evicted.
         tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
         bytes_held: bytes held now, all layers: the key/value buffers allocated for the evicting layers, plus the
-            state the other layers of a hybrid model hold (``bytes_other``).
+            state the other layers of a hybrid model hold (``bytes_other``); with the page metadata of ``quest``.
         bytes_full: bytes the model's default cache (``DynamicCache(config=...)``) would hold for the same tokens:
             the full-attention layers' keys and values for every token seen (padding columns included), plus
             ``bytes_other`` (the other layers' state is the default cache's own). With adaptive budgets the evicting
@@ -266,6 +266,7 @@ class EvictingLayer(CacheLayerMixin):
         self._staged = None
         self._awaiting_attention = False
         self.last_eviction: dict | None = None
+        self.pages = None  # page metadata of a selection policy (quest: vase.pages.PageTable)
 
     @property
     def cache(self) -> EvictingCache:
@@ -332,6 +333,8 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         elif self.capacity < step.capacity and not c.policy.evicts:
             self._grow(step.capacity)
+        if c.policy.sparse is not None:
+            c.policy.sparse.write(self, step, key_states)
         if step.append:
             out_k, out_v = self._append(step, key_states, value_states)
         else:
@@ -428,12 +431,16 @@ class EvictingLayer(CacheLayerMixin):
         self.query_valid.copy_(cand_v.gather(1, keep))
         self._q_next = 0
 
-    def attention_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask over physical slots for this step (see :meth:`_Step.mask`; per head with adaptive budgets,
-        :meth:`_head_mask`)."""
-        if self.cache.adaptive:
-            return self._head_mask(self.cache._step, kind, dtype)
-        return self.cache._step.mask(kind, dtype)
+    def attention_mask(self, kind: str, dtype: torch.dtype, query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mask over physical slots for this step (see :meth:`_Step.mask`); a selection policy (quest) narrows it
+        per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see :mod:`vase.pages`);
+        with adaptive budgets it is per head too (:meth:`_head_mask`)."""
+        c = self.cache
+        if c.policy.sparse is not None:
+            return c.policy.sparse.mask(self, c._step, query, kind, dtype, c.budget, c.sinks)
+        if c.adaptive:
+            return self._head_mask(c._step, kind, dtype)
+        return c._step.mask(kind, dtype)
 
     def _head_mask(self, step: _Step, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
         """Adaptive budgets: ``[B, q_heads, q, kv_len]`` (bool for sdpa, 0 / dtype-min for eager), each query head
@@ -703,6 +710,7 @@ class EvictingLayer(CacheLayerMixin):
         self._staged = None
         self._awaiting_attention = False
         self.last_eviction = None
+        self.pages = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -744,7 +752,9 @@ class EvictingCache(Cache):
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
         budget: tokens kept per (row, layer, KV head) after each eviction (on average over the heads and layers with
             the policy options ``head_budget='adakv'`` / ``layer_budget='pyramid'``, at most ``budget_cap`` x budget
-            each; the buffers then hold ``budget_cap`` x budget + buffer slots per head, see the module docstring).
+            each; the buffers then hold ``budget_cap`` x budget + buffer slots per head, see the module docstring);
+            for the selection policy ``quest``, which keeps every token, the tokens each query attends to (see
+            :mod:`vase.pages`).
         buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps. The
             policy option ``recent`` keeps another count of newest tokens instead (see :func:`recent_window`).
         sinks: first tokens of each row always kept (attention sinks), default 4.
@@ -768,9 +778,9 @@ class EvictingCache(Cache):
             (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
             a model with a layer kind vase cannot hold (see :func:`check_model_supported`), adaptive budgets with an
             attention other than sdpa or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the
-            first layer's pyramid budget, or, at the first forward, keys of another shape than the model's, a cache
-            reused for another model or batch size, or reused without :meth:`reset` for a new prompt no longer than
-            the tokens it holds.
+            first layer's pyramid budget, for ``quest`` a budget below its forced pages or a flash-attention model,
+            or, at the first forward, keys of another shape than the model's, a cache reused for another model or
+            batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens it holds.
     """
 
     def __init__(
@@ -807,6 +817,8 @@ class EvictingCache(Cache):
         self.compress_prompt = self.policy.compress_prompt if compress_prompt is None else bool(compress_prompt)
         if self.policy.published:
             check_published(self.policy, budget, buffer, self.window)
+        if self.policy.sparse is not None:
+            self.policy.sparse.check(budget, sinks, attn.base_implementation(model))
         self.record_evictions = record_evictions
         self.profile = profile
         # One entry per decoder layer: full-attention layers evict, the others (sliding window, linear attention) are
@@ -1076,6 +1088,7 @@ class EvictingCache(Cache):
                 other += hybrid.state_bytes(layer)
             elif layer.is_initialized:
                 held += hybrid.state_bytes(layer)
+                held += layer.pages.nbytes if layer.pages is not None else 0  # quest's page metadata
                 b, h = layer.keys.shape[:2]
                 entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
                 full += b * h * self._seen * entry

@@ -53,7 +53,8 @@ def check_options(
             sinks + buffer, ratio <= 1, buffer < 1, sinks < 0, window < 1, max_new_tokens < 1, min_new_tokens
             outside [0, max_new_tokens], temperature < 0, top_p outside (0, 1], top_k < 0, an unknown policy or
             policy option, a budget or window the published preset cannot take (see
-            :func:`vase.cache.check_published`).
+            :func:`vase.cache.check_published`), a quest budget below its forced pages (see
+            :meth:`vase.pages.PageSelection.check`).
     """
 
     if budget is not None and compression_ratio is not None:
@@ -71,6 +72,8 @@ def check_options(
     recent_window(built, size, buffer, sinks)
     if built.published and compression_ratio is None:
         check_published(built, DEFAULT_BUDGET if budget is None else budget, buffer, window or buffer)
+    if built.sparse is not None:  # quest: the budget must cover the pages it always attends
+        built.sparse.check(size, sinks)
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:

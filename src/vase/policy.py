@@ -90,6 +90,8 @@ class Policy:
             published method; ``recent``: the newest tokens always kept, None = the cache's buffer; ``head_budget``
             'uniform' | 'adakv', ``layer_budget`` 'uniform' | 'pyramid', ``budget_cap``, ``head_floor``,
             ``pyramid_beta``: adaptive budgets, see :attr:`adaptive_budgets`).
+        sparse: for a selection policy that never evicts (``quest``), its per-step attention rule
+            (:class:`vase.pages.PageSelection`): which held entries each query attends to; None otherwise.
     """
 
     name: str
@@ -99,10 +101,11 @@ class Policy:
     source: str
     keeps: str
     options: dict
+    sparse: Any = None
 
     @property
     def evicts(self) -> bool:
-        """False for ``full``, which never evicts."""
+        """False for ``full`` and ``quest``, which never evict."""
         return self.scorer is not None
 
     @property
@@ -151,7 +154,7 @@ class Policy:
     def describe(self) -> str:
         """One line: scorer + guard + selector."""
         if not self.evicts:
-            return f"{self.name}: never evicts"
+            return f"{self.name}: never evicts" + (f"; {self.sparse.describe()}" if self.sparse is not None else "")
         parts = [self.scorer.describe()]
         if self.guard is not None:
             parts.append(self.guard.describe())

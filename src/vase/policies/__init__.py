@@ -1,4 +1,4 @@
-"""The eviction policies, one module each, by standard name.
+"""The policies (eviction, and one selection policy: ``quest``), one module each, by standard name.
 
 ``make_policy(name, **options)`` builds one; ``POLICY_NAMES`` lists them; ``policy_table()`` gives (name, what it
 keeps, source) rows for documentation.
@@ -9,10 +9,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..policy import Policy
-from . import curdkv, full, h2o, keydiff, knorm, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
+from . import curdkv, full, h2o, keydiff, knorm, quest, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
 
 _MODULES: dict[str, ModuleType] = {
-    m.NAME: m for m in (full, streaming_llm, h2o, tova, snapkv, rkv, random, keydiff, knorm, curdkv, vase, vase_dkv)
+    m.NAME: m
+    for m in (full, streaming_llm, h2o, tova, snapkv, rkv, random, keydiff, knorm, curdkv, vase, vase_dkv, quest)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 
