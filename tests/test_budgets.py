@@ -486,3 +486,11 @@ def test_fidelity_replay_with_adaptive_budgets_reports_its_memory():
     full = (30 + 59) / (cache.slots + BUFFER)  # all layers alike: tokens seen over slots allocated per head
     assert info["memory_compression"] == pytest.approx(full)
     assert adaptive_slots(vase.EvictingCache(model, policy="snapkv", budget=BUDGET, buffer=BUFFER)) == {}
+
+
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_policies_that_never_evict_take_no_budget_options(policy):
+    """Adaptive budgets share what an eviction keeps: ``full`` and the selection policy ``quest`` keep everything."""
+    with pytest.raises(ValueError, match="does not take option"):
+        vase.make_policy(policy, head_budget="adakv")
+    assert not vase.make_policy(policy).adaptive_budgets
