@@ -13,11 +13,15 @@ This module holds the allocation rules and the per-head attention mask; it is no
 * :func:`head_mask`: the attention mask when the heads of a row hold different counts, for sdpa and eager;
   :func:`check_head_budgets_supported` refuses flash-attention with a clear error.
 
-Integration (not done): per-head counts need per-(row, KV head) fills in the cache: the slots of a head stay packed
-at the front ``[0, fill[b, h])``, in position order; a decode token is written at slot ``fill[b, h]`` of each head (a
-scatter, as ragged rows are written now); the buffers are allocated once at ``cap + buffer`` slots per head, with
-``cap`` the largest count a head may take (the ``cap`` argument of :func:`head_counts`); heads are masked per head
-with :func:`head_mask`; the selection keeps ``counts[b, h] + forced`` per head (``select`` with a ``[b, H]`` keep).
+Integration (:class:`vase.EvictingCache`, policy options ``head_budget``, ``layer_budget``, ``budget_cap``,
+``head_floor``, ``pyramid_beta``): every (layer, KV head) has the same ``slots`` physical slots for its kept tokens
+(:func:`layout`: ``budget_cap * budget`` with AdaKV, the largest layer budget with PyramidKV alone), so the shared
+schedule stays: after a compaction every row's fill is ``slots``, decode tokens are written at ``slots, slots + 1,
+...`` for all heads alike, and the next compaction comes ``buffer`` tokens later. A head keeping ``n < slots`` tokens
+holds them packed at ``[0, n)`` in position order; slots ``[n, slots)`` are dead (logical position -1): masked per
+head in attention (sdpa, eager), left out of the next eviction's candidates and of the scorers' softmax (per-head
+``valid`` ``[b, H, S]``). The buffers are allocated once at ``slots + buffer`` per head: the memory held is that of
+the cap, not of the budget.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 FLOOR_SHARE = 0.2
 PYRAMID_BETA = 20.0
+BUDGET_CAP = 2.0  # default physical slots per (layer, KV head), as a multiple of the budget
 
 
 def head_counts(
@@ -45,7 +50,8 @@ def head_counts(
 
     Args:
         scores: ``[b, H, S]`` float policy scores (higher = keep).
-        candidates: ``[b, S]`` bool, the slots the policy chooses among.
+        candidates: ``[b, S]`` bool, the slots the policy chooses among, or ``[b, H, S]`` per head (heads holding
+            different tokens after an adaptive eviction).
         n_choose: ``[b]`` int64, average number of candidates to keep per head (uniform allocation).
         floor_share: share of ``n_choose`` every head keeps whatever the others' scores, in [0, 1].
         cap: most candidates one head may keep (default: no limit but its candidates).
@@ -54,27 +60,31 @@ def head_counts(
         ``[b, H]`` int64 counts; each row sums to ``H * n_choose``.
 
     Raises:
-        ValueError: ``floor_share`` outside [0, 1], a row choosing more than its candidates, or a cap below
-            ``n_choose`` (the uniform allocation would not fit).
+        ValueError: ``floor_share`` outside [0, 1], a row choosing more than its heads' candidates can hold (each
+            head at most ``min(candidates, cap)``), or a cap below ``n_choose`` (the uniform allocation would not
+            fit).
     """
     if not 0.0 <= floor_share <= 1.0:
         raise ValueError(f"floor_share must be in [0, 1], got {floor_share}")
     b, h, s = scores.shape
-    n_cand = candidates.sum(-1)
-    if bool((n_choose > n_cand).any()):
-        raise ValueError(f"cannot choose {n_choose.tolist()} of {n_cand.tolist()} candidates per head")
-    limit = n_cand if cap is None else torch.minimum(n_cand, torch.full_like(n_cand, cap))
+    cand = candidates.view(b, -1, s).expand(b, h, s)
+    n_cand = cand.sum(-1)  # [b, H]
     if cap is not None and bool((n_choose > cap).any()):
         raise ValueError(f"cap ({cap}) must be at least the uniform count ({n_choose.max().item()})")
-    cand = candidates.unsqueeze(1).expand(b, h, s)
-    x = scores.float().masked_fill(~cand, float("-inf"))
+    limit = n_cand if cap is None else n_cand.clamp_max(cap)
+    floor = (floor_share * n_choose.double()).floor().long()  # [b]
+    m = (n_choose - floor) * h  # [b] slots given by the layer-wide top-k
+    room = (limit - floor.view(b, 1)).clamp_min(0).sum(-1)
+    if bool((floor.view(b, 1) > limit).any()) or bool((room < m).any()):
+        per_head = n_cand.tolist() if candidates.dim() == 3 else n_cand[:, 0].tolist()
+        raise ValueError(f"cannot choose {n_choose.tolist()} of {per_head} candidates per head")
+    # finite scores, so that a candidate always ranks before a non-candidate within its head
+    x = scores.float().nan_to_num(0.0).clamp(-3e38, 3e38).masked_fill(~cand, float("-inf"))
     order = torch.sort(x, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=x.device).expand(b, h, s))
-    floor = (floor_share * n_choose.double()).floor().long()  # [b]
-    free = cand & (rank >= floor.view(b, 1, 1)) & (rank < limit.view(b, 1, 1))
+    free = cand & (rank >= floor.view(b, 1, 1)) & (rank < limit.view(b, h, 1))
     flat = torch.where(free, x, torch.full_like(x, float("-inf"))).reshape(b, h * s)
     top = torch.sort(flat, dim=-1, descending=True, stable=True).indices
-    m = (n_choose - floor) * h  # [b] slots given by the layer-wide top-k
     take = torch.arange(h * s, device=x.device).view(1, -1) < m.view(b, 1)
     picked = torch.zeros((b, h * s), dtype=torch.bool, device=x.device).scatter_(-1, top, take)
     picked &= free.reshape(b, h * s)
@@ -127,6 +137,42 @@ def head_mask(fill: torch.Tensor, kv_len: int, group: int, kind: str = "bool", d
     if kind == "bool":
         return m
     return torch.zeros(m.shape, dtype=dtype, device=fill.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+
+def layout(options: dict, budget: int, layers: int, fixed: int) -> tuple[list[int], int]:
+    """Per-layer budgets and the physical slots per (layer, KV head) for kept tokens, from a policy's options.
+
+    Args:
+        options: the policy's resolved options (``head_budget``, ``layer_budget``, ``budget_cap``, ``pyramid_beta``).
+        budget: the cache budget, tokens per (layer, KV head) on average.
+        layers: cached layers.
+        fixed: tokens every head keeps whatever its scores (sinks + recent window).
+
+    Returns:
+        ``(layer_budgets, slots)``: ``layers`` budgets summing to ``layers * budget`` (all ``budget`` unless
+        ``layer_budget='pyramid'``), and ``slots`` >= each of them: ``floor(budget_cap * budget)`` with
+        ``head_budget='adakv'`` (the most one head may keep), the largest layer budget otherwise.
+
+    Raises:
+        ValueError: ``floor(budget_cap * budget)`` below the first layer's pyramid budget (PyramidKV with
+            ``budget_cap`` close to 1).
+    """
+    pyramid = options.get("layer_budget", "uniform") == "pyramid"
+    adakv = options.get("head_budget", "uniform") == "adakv"
+    if pyramid:
+        per_layer = pyramid_budgets(budget, layers, fixed, float(options.get("pyramid_beta", PYRAMID_BETA)))
+    else:
+        per_layer = [budget] * layers
+    if not (pyramid or adakv):
+        return per_layer, budget
+    cap = int(float(options.get("budget_cap", BUDGET_CAP)) * budget)
+    if max(per_layer) > cap:
+        raise ValueError(
+            f"budget_cap {options.get('budget_cap')} allows {cap} tokens per head, but the pyramid gives its first "
+            f"layer {max(per_layer)} (budget {budget}, {layers} layers): raise budget_cap to at least "
+            f"{max(per_layer) / budget:.3g}"
+        )
+    return per_layer, (cap if adakv else max(per_layer))
 
 
 def check_head_budgets_supported(attn_implementation: str) -> None:

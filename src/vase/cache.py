@@ -24,6 +24,16 @@ buffer, as the paper's code does) and evicts from the first compaction on.
 
 Each row evicts on its own schedule with its own random key, so a row of a ragged batch behaves exactly as it would
 alone. Scoring needs no attention weights from the kernel: :mod:`vase.attention` saves the post-RoPE queries.
+
+Adaptive budgets (policy options ``head_budget='adakv'``, ``layer_budget='pyramid'``; :mod:`vase.budgets`): heads and
+layers keep different counts while the schedule stays shared. Every (layer, KV head) has ``slots`` physical slots for
+kept tokens (``budget_cap * budget`` with AdaKV, the largest layer budget with PyramidKV alone); a compaction leaves
+every row at fill ``slots``, a head keeping ``n`` holding its tokens at ``[0, n)`` and dead slots (position -1) at
+``[n, slots)``; the row next evicts at ``slots + buffer``, that is ``buffer`` tokens later as in the uniform case.
+Dead slots are masked per head in attention (``[B, q_heads, q, kv_len]``, sdpa and eager; flash-attention is refused
+at creation) and left out of the next eviction (per-head ``valid`` ``[b, H, S]`` in the :class:`EvictionContext`).
+The first eviction still comes at ``budget + buffer`` tokens (the schedule of the uniform cache). The buffers are
+allocated for ``slots + buffer``: ``stats().bytes_held`` is that, ``stats().bytes_live`` what attention reads.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from torch.profiler import record_function
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention as attn
-from . import hybrid, rng
+from . import budgets, hybrid, rng
 from .policies import make_policy
 from .policy import Policy
 from .scoring import EvictionContext
@@ -66,7 +76,8 @@ class CacheStats:
         layers: evicting (full-attention) layers.
         tokens_seen: logical length (tokens per row, padding columns included).
         real_tokens: real (non-padding) tokens seen by each row.
-        slots_held: largest number of filled slots of a row, right now (tokens).
+        slots_held: largest number of filled slots of a row, right now (tokens; with adaptive budgets the dead slots
+            of heads keeping fewer than the cap count too).
         capacity: slots allocated per row and layer (tokens).
         evictions: forward passes in which at least one row evicted.
         tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
@@ -74,12 +85,16 @@ class CacheStats:
             state the other layers of a hybrid model hold (``bytes_other``); with the page metadata of ``quest``.
         bytes_full: bytes the model's default cache (``DynamicCache(config=...)``) would hold for the same tokens:
             the full-attention layers' keys and values for every token seen (padding columns included), plus
-            ``bytes_other`` (the other layers' state is the default cache's own).
+            ``bytes_other`` (the other layers' state is the default cache's own). With adaptive budgets the evicting
+            buffers are allocated for the cap (``budget_cap`` x budget + buffer slots per head), so ``bytes_held`` is
+            more than the budget's bytes.
         eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
         protected: value slots the guard protected (or, with ``guard_mode='evict'``, demoted), summed over evictions,
             layers, rows and KV heads (0 without a guard); with ``guard_rule='outlier'`` the count varies per head.
         other_layers: layers of a hybrid model kept as transformers holds them (sliding-window, linear attention).
         bytes_other: bytes those layers hold now (keys/values of a sliding window, convolution and recurrent states).
+        bytes_live: bytes of the evicting layers' key/value entries holding a token right now: what attention reads
+            there (below their buffers by the free slots and, with adaptive budgets, the dead ones).
     """
 
     policy: str
@@ -99,6 +114,7 @@ class CacheStats:
     protected: int = 0
     other_layers: int = 0
     bytes_other: int = 0
+    bytes_live: int = 0
 
     @property
     def compression(self) -> float:
@@ -362,6 +378,7 @@ class EvictingLayer(CacheLayerMixin):
         """
         c = self.cache
         step = c._step
+        self._q_heads = query.shape[1]
         self.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         w = c.window
         if w == 0:
@@ -416,11 +433,34 @@ class EvictingLayer(CacheLayerMixin):
 
     def attention_mask(self, kind: str, dtype: torch.dtype, query: torch.Tensor | None = None) -> torch.Tensor | None:
         """The mask over physical slots for this step (see :meth:`_Step.mask`); a selection policy (quest) narrows it
-        per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see :mod:`vase.pages`)."""
+        per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see :mod:`vase.pages`);
+        with adaptive budgets it is per head too (:meth:`_head_mask`)."""
         c = self.cache
         if c.policy.sparse is not None:
             return c.policy.sparse.mask(self, c._step, query, kind, dtype, c.budget, c.sinks)
+        if c.adaptive:
+            return self._head_mask(c._step, kind, dtype)
         return c._step.mask(kind, dtype)
+
+    def _head_mask(self, step: _Step, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """Adaptive budgets: ``[B, q_heads, q, kv_len]`` (bool for sdpa, 0 / dtype-min for eager), each query head
+        seeing only the live slots of its KV head (logical position >= 0: its kept tokens, not the dead slots
+        ``[n, slots)`` of a head keeping ``n``) and, for several new tokens, the new ones causally (the row mask of
+        :meth:`_Step.mask`). Same as :meth:`_Step.mask` when the cache holds nothing yet."""
+        p = step.p_old
+        if p == 0 or kind == "padding":
+            return step.mask(kind, dtype)
+        b, h = self.positions.shape[:2]
+        if step.append:  # the new token's position is written already: slots past each row's fill are -1
+            m = (self.positions[:, :, : p + 1] >= 0).unsqueeze(2)
+        else:
+            q = step.q
+            old = (self.positions[:, :, :p] >= 0).unsqueeze(2).expand(b, h, q, p)
+            m = torch.cat([old, old.new_ones((b, h, q, q))], -1) & step.mask("bool", torch.bool)
+        m = m.repeat_interleave(self._q_heads // h, dim=1)
+        if kind == "bool":
+            return m
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
 
     @torch.no_grad()
     def after_attention(self) -> None:
@@ -462,7 +502,7 @@ class EvictingLayer(CacheLayerMixin):
             query_valid=qv,
             scaling=self.scaling or self.head_dim**-0.5,
             layer_idx=self.layer_idx,
-            budget=c.budget,
+            budget=c.layer_budgets[self.layer_idx],
             row_keys=pick(c._row_keys_tensor(keys.device)),
             eviction_index=pick(evs),
             state=state,
@@ -472,22 +512,24 @@ class EvictingLayer(CacheLayerMixin):
         )
         return ctx, forced
 
-    def _select(self, step, rows, keys, values, positions, valid, state) -> torch.Tensor:
-        """Policy selection for ``rows`` (None = all); returns slot indices ``[r, H, budget]``.
+    def _select(self, step, rows, keys, values, positions, valid, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy selection for ``rows`` (None = all); returns slot indices ``[r, H, slots]`` and the counts kept
+        (``[r]``, or ``[r, H]`` with AdaKV; entries of the indices past a head's count are padding).
 
-        ``keys``, ``values`` ``[r, H, S, D]``, ``positions`` ``[r, H, S]``, ``valid`` ``[r, S]`` hold the ``r`` rows
-        scored (copies when only some rows are). ``state`` maps each of the policy's state names to ``[r, H, S]``
-        float32: the scorer updates it in place or replaces its entries, so on return ``state`` holds the new state of
-        those rows' slots, and the caller must write it back with them (see :meth:`_write`). The per-row memo
-        (``row_memo``, e.g. how far H2O has accumulated) is written back here, for exactly these rows.
+        ``keys``, ``values`` ``[r, H, S, D]``, ``positions`` ``[r, H, S]``, ``valid`` ``[r, S]`` (``[r, H, S]`` with
+        adaptive budgets) hold the ``r`` rows scored (copies when only some rows are). ``state`` maps each of the
+        policy's state names to ``[r, H, S]`` float32: the scorer updates it in place or replaces its entries, so on
+        return ``state`` holds the new state of those rows' slots, and the caller must write it back with them (see
+        :meth:`_write`). The per-row memo (``row_memo``, e.g. how far H2O has accumulated) is written back here, for
+        exactly these rows.
         """
         c = self.cache
         sel_rows = None if rows is None else step.tensor(("rows", tuple(rows)), rows)
         memo = {n: m if sel_rows is None else m.index_select(0, sel_rows) for n, m in self.row_memo.items()}
         ctx, forced = self._context(step, sel_rows, keys, values, positions, valid, state, memo)
         r = keys.shape[0]
-        keep = torch.full((r,), c.budget, dtype=torch.long, device=keys.device)
-        sel = c.policy.select(ctx, keep, c.budget, forced)
+        keep = torch.full((r,), ctx.budget, dtype=torch.long, device=keys.device)
+        sel = c.policy.select(ctx, keep, c.slots, forced, self._allocator(forced) if c.adakv else None)
         n_protected = None if sel.protected is None else sel.protected.sum(-1)  # [r, H]
         if n_protected is not None:
             c._protected = c._protected + n_protected.sum()  # a device tensor: no synchronisation here
@@ -514,21 +556,44 @@ class EvictingLayer(CacheLayerMixin):
                 "scores": None if sel.scores is None else sel.scores.clone(),
                 "kept": sel.indices.clone(),
                 "kept_positions": positions.gather(2, sel.indices),
-                "n_protect": c.policy.guard.count(c.budget, c.sinks) if c.policy.guard is not None else 0,
+                "n_protect": c.policy.guard.count(ctx.budget, c.sinks) if c.policy.guard is not None else 0,
                 "n_protected": torch.zeros(sel.indices.shape[:2], dtype=torch.long, device=keys.device)
                 if n_protected is None
                 else n_protected,
+                "keep": sel.keep.clone(),
             }
-        return sel.indices
+        return sel.indices, sel.keep
+
+    def _allocator(self, forced: torch.Tensor):
+        """AdaKV counts for :func:`vase.selection.select`: each head keeps its forced slots (sinks, recent window)
+        plus its share of the layer's ``H * (budget - forced)`` chosen ones (:func:`vase.budgets.head_counts`, one
+        top-k over the layer's heads), at most ``slots`` in all."""
+        c = self.cache
+        n_forced = forced.sum(-1).view(forced.shape[0], -1)  # [r, 1] or [r, H] (the same for every head in practice)
+
+        def allocate(ctx: EvictionContext, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            most = n_forced.max(-1).values
+            n_choose = (keep - most).clamp_min(0)
+            floor = float(c.policy.options.get("head_floor", budgets.FLOOR_SHARE))
+            counts = budgets.head_counts(scores, ctx.candidates, n_choose, floor, c.slots - int(most.max()))
+            return n_forced + counts
+
+        return allocate
 
     @record_function("vase.compact")
-    def _write(self, step, rows, idx: torch.Tensor, keep: list[int], keys, values, positions, state) -> None:
-        """Gather ``idx`` ``[r, H, kmax]`` from the source tensors into slots ``[0, kmax)`` of ``rows`` in place."""
+    def _write(self, step, rows, idx: torch.Tensor, keep, keys, values, positions, state) -> None:
+        """Gather ``idx`` ``[r, H, kmax]`` from the source tensors into slots ``[0, kmax)`` of ``rows`` in place.
+
+        ``keep``: slots kept per row (a list), or a tensor ``[r]`` / ``[r, H]`` (per head, adaptive budgets); the
+        entries of ``idx`` past it are freed (position -1)."""
         r, h, kmax = idx.shape
         k = keys.gather(2, idx.unsqueeze(-1).expand(r, h, kmax, keys.shape[-1]))
         v = values.gather(2, idx.unsqueeze(-1).expand(r, h, kmax, values.shape[-1]))
         p = positions.gather(2, idx)
-        keep_t = step.tensor(("keep", rows is None), keep).view(r, 1, 1)
+        if isinstance(keep, torch.Tensor):
+            keep_t = keep.view(r, -1, 1)
+        else:
+            keep_t = step.tensor(("keep", rows is None), keep).view(r, 1, 1)
         free = torch.arange(kmax, device=idx.device).view(1, 1, kmax) >= keep_t
         p = p.masked_fill(free, -1)
         st = {n: s.gather(2, idx).masked_fill(free, 0.0) for n, s in state.items()}
@@ -565,8 +630,11 @@ class EvictingLayer(CacheLayerMixin):
             state = {n: s.index_select(0, rt) for n, s in self.state.items()}
         filled = step.tensor(("filled", tuple(rows)), [step.fill_before[i] + step.counts[i] for i in rows])
         valid = torch.arange(keys.shape[2], device=keys.device).view(1, -1) < filled.view(-1, 1)
-        idx = self._select(step, None if whole else rows, keys, values, positions, valid, state)
-        self._write(step, None if whole else rows, idx, [c.budget] * len(rows), keys, values, positions, state)
+        if c.adaptive:  # per head: dead slots (position -1) of heads that kept fewer than the slots
+            valid = valid.unsqueeze(1) & (positions >= 0)
+        idx, kept = self._select(step, None if whole else rows, keys, values, positions, valid, state)
+        keep = kept if c.adaptive else [c.budget] * len(rows)
+        self._write(step, None if whole else rows, idx, keep, keys, values, positions, state)
 
     def _write_staged(self, step: _Step) -> None:
         """After a multi-token step: write the new real tokens packed, compressing rows that do not fit."""
@@ -591,10 +659,14 @@ class EvictingLayer(CacheLayerMixin):
         }
         valid = step.kv_valid()
         kmax = max(step.keep)
-        idx = pack_valid(valid, h, kmax).clone()
+        idx = pack_valid(valid, h, kmax).clone()  # dead slots (adaptive budgets) move along, still dead
+        keep = step.keep
         if step.evict_rows:
             rows = step.evict_rows
             whole = len(rows) == b
+            if c.adaptive:  # per head: the scorers and the selection see each head's live slots only
+                valid = valid.unsqueeze(1) & (positions >= 0)
+                keep = step.tensor("keep", step.keep).view(b, 1).expand(b, h).clone()
             if whole:
                 sub = (new_k, new_v, positions, valid, state)
             else:
@@ -606,14 +678,16 @@ class EvictingLayer(CacheLayerMixin):
                     valid.index_select(0, rt),
                     {n: s.index_select(0, rt) for n, s in state.items()},
                 )
-            sel = self._select(step, None if whole else rows, *sub)
+            sel, kept = self._select(step, None if whole else rows, *sub)
             if whole:
-                idx[:, :, : c.budget] = sel
+                idx[:, :, : c.slots] = sel
             else:
-                idx[rt, :, : c.budget] = sel
+                idx[rt, :, : c.slots] = sel
                 for n, s in sub[4].items():  # the scored rows' state (H2O: attention just accumulated)
                     state[n].index_copy_(0, rt, s)
-        self._write(step, None, idx, step.keep, new_k, new_v, positions, state)
+            if c.adaptive:
+                keep[rows if not whole else slice(None)] = kept.view(len(rows), -1)
+        self._write(step, None, idx, keep, new_k, new_v, positions, state)
 
     # ------------------------------------------------------------------------------------------ Cache protocol
     def get_seq_length(self) -> int:
@@ -676,8 +750,11 @@ class EvictingCache(Cache):
             Qwen3-Next, Qwen3.5): only the full-attention layers evict; the others keep the state transformers'
             default cache gives them, in the same cache object (see :mod:`vase.hybrid`).
         policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
-        budget: tokens kept per (row, layer, KV head) after each eviction; for the selection policy ``quest``, which
-            keeps every token, the tokens each query attends to (see :mod:`vase.pages`).
+        budget: tokens kept per (row, layer, KV head) after each eviction (on average over the heads and layers with
+            the policy options ``head_budget='adakv'`` / ``layer_budget='pyramid'``, at most ``budget_cap`` x budget
+            each; the buffers then hold ``budget_cap`` x budget + buffer slots per head, see the module docstring);
+            for the selection policy ``quest``, which keeps every token, the tokens each query attends to (see
+            :mod:`vase.pages`).
         buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps. The
             policy option ``recent`` keeps another count of newest tokens instead (see :func:`recent_window`).
         sinks: first tokens of each row always kept (attention sinks), default 4.
@@ -693,17 +770,17 @@ class EvictingCache(Cache):
             each head protected).
         profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
         **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
-            temperature, lam, rank; see :func:`vase.make_policy`).
+            temperature, lam, rank, head_budget, layer_budget, budget_cap; see :func:`vase.make_policy`).
 
     Raises:
         ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
             or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
             (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
-            a model with a layer kind vase cannot hold (see :func:`check_model_supported`),
-            for ``quest`` a budget below its forced pages or a flash-attention model, or, at the first forward,
-            keys of another shape than the model's, a cache reused for
-            another model or batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens
-            it holds.
+            a model with a layer kind vase cannot hold (see :func:`check_model_supported`), adaptive budgets with an
+            attention other than sdpa or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the
+            first layer's pyramid budget, for ``quest`` a budget below its forced pages or a flash-attention model,
+            or, at the first forward, keys of another shape than the model's, a cache reused for another model or
+            batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens it holds.
     """
 
     def __init__(
@@ -751,6 +828,15 @@ class EvictingCache(Cache):
         first = self._plan[self._evicting[0]]
         self.num_kv_heads, self.head_dim = first.kv_heads, first.head_dim
         self.num_layers = len(self._evicting)  # evicting layers: a forward pass is done when all of them are
+        # adaptive budgets (policy options head_budget / layer_budget): the budget of each evicting layer (by model
+        # layer index; PyramidKV's depth runs over the evicting layers) and the physical slots per (layer, KV head)
+        # for kept tokens; uniform: every layer keeps `budget` in `budget` slots
+        per_layer, self.slots = budgets.layout(self.policy.options, budget, self.num_layers, sinks + self.recent)
+        self.layer_budgets = dict(zip(self._evicting, per_layer))
+        self.adaptive = self.policy.adaptive_budgets
+        self.adakv = self.adaptive and self.policy.options.get("head_budget") == "adakv"
+        if self.adaptive:
+            budgets.check_head_budgets_supported(attn.base_implementation(model))
         self._model_ref = weakref.ref(model)
         layers = [EvictingLayer(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
         super().__init__(layers=layers)
@@ -874,10 +960,12 @@ class EvictingCache(Cache):
             # rows stay independent.
             self._row_limit = [self._first_limit(cnt) for cnt in n]
             self.capacity = max(self._row_limit)
+            if self.policy.evicts:  # after a compaction a row holds `slots` (> budget with adaptive budgets)
+                self.capacity = max(self.capacity, self.slots + self.buffer)
         if self.policy.evicts:
             limit = self._limits()
             evict_rows = [i for i, (cnt, lim) in enumerate(zip(n, limit)) if cnt >= lim]
-            keep = [self.budget if cnt >= lim else cnt for cnt, lim in zip(n, limit)]
+            keep = [self.slots if cnt >= lim else cnt for cnt, lim in zip(n, limit)]
         else:
             evict_rows, keep = [], n
             if max(n) >= self.capacity:
@@ -922,20 +1010,24 @@ class EvictingCache(Cache):
         return [lim - f for lim, f in zip(self._limits(), self._fill)]
 
     def _limits(self) -> list[int]:
-        """Fill (tokens) at which each row evicts next: its first limit until its first eviction, then
-        budget + buffer."""
-        return [self.budget + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
+        """Fill (slots) at which each row evicts next: its first limit until its first eviction, then
+        slots + buffer (slots = budget, unless adaptive budgets hold up to ``budget_cap`` x budget per head)."""
+        return [self.slots + self.buffer if e else lim for e, lim in zip(self._row_evictions, self._row_limit)]
 
     def _layer_done(self, layer: EvictingLayer) -> None:
         step = self._step
         step.layers_done += 1
         if step.layers_done < self.num_layers:
             return
+        if step.evict_rows:
+            # tokens held per (layer, KV head) on average: the fill, less the dead slots of a row compacted before
+            gap = [self.slots - self.budget if self._row_evictions[i] else 0 for i in step.evict_rows]
+            self._evictions += 1
+            self._tokens_evicted += sum(
+                step.fill_before[i] + step.counts[i] - g - self.budget for i, g in zip(step.evict_rows, gap)
+            )
         for i in step.evict_rows:
             self._row_evictions[i] += 1
-        if step.evict_rows:
-            self._evictions += 1
-            self._tokens_evicted += sum(f + c - k for f, c, k in zip(step.fill_before, step.counts, step.keep))
         self._fill = list(step.keep)
         self._real = [r + c for r, c in zip(self._real, step.counts)]
         self._seen += step.q
@@ -989,7 +1081,7 @@ class EvictingCache(Cache):
     def stats(self) -> CacheStats:
         """Current :class:`CacheStats` (bytes: see its attributes; the kept layers of a hybrid model count in both
         ``bytes_held`` and ``bytes_full``)."""
-        held = full = other = 0
+        held = full = other = live = 0
         for p in self._plan:
             layer = self.layers[p.index]
             if not p.evicts:
@@ -998,7 +1090,9 @@ class EvictingCache(Cache):
                 held += hybrid.state_bytes(layer)
                 held += layer.pages.nbytes if layer.pages is not None else 0  # quest's page metadata
                 b, h = layer.keys.shape[:2]
-                full += b * h * self._seen * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                full += b * h * self._seen * entry
+                live += int((layer.positions >= 0).sum()) * entry
         held += other
         full += other
         batch = self.batch or 0
@@ -1020,6 +1114,7 @@ class EvictingCache(Cache):
             protected=int(self._protected),
             other_layers=len(self._plan) - len(self._evicting),
             bytes_other=other,
+            bytes_live=live,
         )
 
 

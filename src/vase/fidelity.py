@@ -228,6 +228,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                         )
                         extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
                         extra.update(guard_counts(cache))
+                        extra.update(adaptive_slots(cache))
                         results.append((policy, pol, extra))
                         del cache
                 finally:
@@ -261,6 +262,15 @@ def guard_counts(cache) -> dict:
     st = cache.stats()
     per = st.protected / (st.evictions * st.layers * cache.num_kv_heads * max(st.batch, 1)) if st.evictions else 0.0
     return {"protected": st.protected, "protected_per_eviction": per}
+
+
+def adaptive_slots(cache) -> dict:
+    """``{"slots": physical slots per (layer, KV head) for kept tokens, "memory_compression": full-cache bytes over
+    bytes held at the end}`` for a policy with adaptive budgets (``head_budget``/``layer_budget``: its buffers are
+    allocated for ``budget_cap`` x budget, so its memory compression is below ``compression``), or ``{}``."""
+    if not getattr(cache, "adaptive", False):
+        return {}
+    return {"slots": cache.slots, "memory_compression": cache.stats().compression}
 
 
 def summarize(records: list[dict]) -> list[dict]:

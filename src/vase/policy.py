@@ -16,6 +16,13 @@ scorers also take ``value_weight`` ('l1': VATP, 'output_error': CAOTE), for exam
     make_policy("snapkv", value_weight="output_error")
     make_policy("vase", guard_rule="outlier", outlier_factor=6)
     make_policy("h2o", recent=16)
+
+Adaptive budgets (issue 11), open to every evicting policy: ``head_budget='adakv'`` shares each layer's budget
+between its KV heads by one top-k of the policy's scores over the whole layer (AdaKV, arXiv 2407.11550, Sec. 3),
+``layer_budget='pyramid'`` gives the first layers more than the last (PyramidKV, arXiv 2406.02069, Sec. 3); the total
+kept stays layers x KV heads x budget (see :mod:`vase.budgets` and :class:`vase.EvictingCache`)::
+
+    make_policy("snapkv", head_budget="adakv", layer_budget="pyramid")
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .budgets import BUDGET_CAP, FLOOR_SHARE, PYRAMID_BETA
 from .scoring import VALUE_WEIGHTS, EvictionContext, Scorer
 from .selection import (
     GUARD_METRICS,
@@ -40,6 +48,8 @@ from .selection import (
 
 SELECTORS = ("topk", "sample")
 PROMPT_MODES = ("compress", "dense")
+HEAD_BUDGETS = ("uniform", "adakv")
+LAYER_BUDGETS = ("uniform", "pyramid")
 COMMON_OPTIONS = {
     "selector": "topk",
     "sampling_temperature": 1.0,
@@ -51,6 +61,11 @@ COMMON_OPTIONS = {
     "outlier_factor": 6.0,
     "recent": None,
     "prompt": "compress",
+    "head_budget": "uniform",
+    "layer_budget": "uniform",
+    "budget_cap": BUDGET_CAP,
+    "head_floor": FLOOR_SHARE,
+    "pyramid_beta": PYRAMID_BETA,
 }
 AMBIGUOUS_TEMPERATURE = (
     "the policy option 'temperature' is ambiguous: use sampling_temperature (exponent on the scores when sampling "
@@ -72,7 +87,9 @@ class Policy:
         keeps: one line on what the policy keeps.
         options: the resolved options it was built with (``prompt``: 'compress' compresses a prompt longer than the
             budget at prefill, 'dense' keeps it whole until the first eviction; ``preset``: 'paper' for the
-            published method; ``recent``: the newest tokens always kept, None = the cache's buffer).
+            published method; ``recent``: the newest tokens always kept, None = the cache's buffer; ``head_budget``
+            'uniform' | 'adakv', ``layer_budget`` 'uniform' | 'pyramid', ``budget_cap``, ``head_floor``,
+            ``pyramid_beta``: adaptive budgets, see :attr:`adaptive_budgets`).
         sparse: for a selection policy that never evicts (``quest``), its per-step attention rule
             (:class:`vase.pages.PageSelection`): which held entries each query attends to; None otherwise.
     """
@@ -116,9 +133,23 @@ class Policy:
         """Per-slot state tensors the scorer keeps (H2O's accumulated attention, the reference slot order)."""
         return self.scorer.state_names if self.scorer is not None else ()
 
-    def select(self, ctx: EvictionContext, keep, kmax: int, forced) -> Selection:
+    @property
+    def adaptive_budgets(self) -> bool:
+        """Whether heads or layers keep different counts (``head_budget='adakv'`` or ``layer_budget='pyramid'``).
+
+        ``head_budget='adakv'``: per layer, each KV head's count comes from one top-k of the policy's scores over all
+        the layer's heads, a share ``head_floor`` of the uniform count given to every head first (AdaKV, arXiv
+        2407.11550, Sec. 3, Algorithm 1; its alpha = 0.2); ``layer_budget='pyramid'``: the budget decreases linearly
+        with depth, ``pyramid_beta`` setting the slope (PyramidKV, arXiv 2406.02069, Sec. 3; beta = 20). No head
+        and no layer holds more than ``budget_cap`` x the budget (the physical slots allocated per head for kept
+        tokens).
+        """
+        heads, layers = self.options.get("head_budget", "uniform"), self.options.get("layer_budget", "uniform")
+        return self.evicts and (heads != "uniform" or layers != "uniform")
+
+    def select(self, ctx: EvictionContext, keep, kmax: int, forced, allocate=None) -> Selection:
         """Slots to keep; see :func:`vase.selection.select`."""
-        return select(self.scorer, self.selector, self.guard, ctx, keep, kmax, forced)
+        return select(self.scorer, self.selector, self.guard, ctx, keep, kmax, forced, allocate)
 
     def describe(self) -> str:
         """One line: scorer + guard + selector."""
@@ -130,6 +161,12 @@ class Policy:
         parts.append(self.selector.describe())
         if self.recent is not None:
             parts.append(f"recent window {self.recent}")
+        if self.options.get("head_budget", "uniform") != "uniform":
+            parts.append(f"AdaKV head budgets (floor {self.options.get('head_floor', FLOOR_SHARE):g})")
+        if self.options.get("layer_budget", "uniform") != "uniform":
+            parts.append(f"PyramidKV layer budgets (beta {self.options.get('pyramid_beta', PYRAMID_BETA):g})")
+        if self.adaptive_budgets:
+            parts.append(f"cap {self.options.get('budget_cap', BUDGET_CAP):g}x budget")
         return f"{self.name}: " + " + ".join(parts)
 
 
@@ -202,6 +239,8 @@ def compose(
                 f"x ||v||_1; output_error: CAOTE), got {opts['value_weight']!r}"
             )
 
+    check_budget_options(opts, options)
+
     scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
     selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
     guard = (
@@ -217,3 +256,47 @@ def compose(
         else None
     )
     return Policy(name, scorer, selector, guard, source, keeps, opts)
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+
+
+def check_budget_options(opts: dict, given: dict) -> None:
+    """The adaptive-budget options (``head_budget``, ``layer_budget``, ``budget_cap``, ``head_floor``,
+    ``pyramid_beta``; see :attr:`Policy.adaptive_budgets`).
+
+    Raises:
+        ValueError: an unknown rule, a cap that is not a number >= 1 (a multiple of the budget), a floor outside
+            [0, 1], a beta below 1, or one of the numbers given without the rule it tunes.
+    """
+    if opts["head_budget"] not in HEAD_BUDGETS:
+        raise ValueError(
+            f"head_budget must be one of {', '.join(HEAD_BUDGETS)} (adakv: AdaKV, one top-k over the layer's heads), "
+            f"got {opts['head_budget']!r}"
+        )
+    if opts["layer_budget"] not in LAYER_BUDGETS:
+        raise ValueError(
+            f"layer_budget must be one of {', '.join(LAYER_BUDGETS)} (pyramid: PyramidKV, budgets decreasing with "
+            f"depth), got {opts['layer_budget']!r}"
+        )
+    cap = opts["budget_cap"]
+    if not _number(cap) or not 1.0 <= cap < float("inf"):
+        raise ValueError(
+            f"budget_cap must be a number >= 1 (the most tokens one layer's KV head may hold, as a multiple of the "
+            f"budget), got {cap!r}"
+        )
+    floor = opts["head_floor"]
+    if not _number(floor) or not 0.0 <= floor <= 1.0:
+        raise ValueError(f"head_floor must be in [0, 1] (share of each head's count given uniformly), got {floor!r}")
+    beta = opts["pyramid_beta"]
+    if not _number(beta) or not 1.0 <= beta < float("inf"):
+        raise ValueError(f"pyramid_beta must be a number >= 1 (1 = uniform layers), got {beta!r}")
+    adakv, pyramid = opts["head_budget"] == "adakv", opts["layer_budget"] == "pyramid"
+    for name, needs, ok in (
+        ("budget_cap", "head_budget=adakv or layer_budget=pyramid", adakv or pyramid),
+        ("head_floor", "head_budget=adakv", adakv),
+        ("pyramid_beta", "layer_budget=pyramid", pyramid),
+    ):
+        if name in given and not ok:
+            raise ValueError(f"{name} applies to adaptive budgets only: add {needs}")

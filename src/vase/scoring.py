@@ -33,15 +33,19 @@ class EvictionContext:
         values: ``[b, H, S, D]`` cached values.
         positions: ``[b, H, S]`` int64 logical position of each slot: the index of its token among the real
             (non-padding) tokens of its row. Within a (row, head), valid slots are in increasing position order.
-        valid: ``[b, S]`` bool, which slots hold a real token (padding and free slots are False).
-        candidates: ``[b, S]`` bool, valid slots that are neither sinks nor in the recent window: the ones the
-            policy chooses among.
+        valid: ``[b, S]`` bool, which slots hold a real token (padding and free slots are False); ``[b, H, S]``
+            per KV head when the heads of a row hold different counts (adaptive budgets, :mod:`vase.budgets`: a head
+            holding fewer tokens than the shared layout has dead slots). Code reading ``valid``, ``candidates`` or
+            the masks derived from them handles both shapes (``mask.view(b, -1, S)`` broadcasts over heads).
+        candidates: ``[b, S]`` (or ``[b, H, S]``, as ``valid``) bool, valid slots that are neither sinks nor in the
+            recent window: the ones the policy chooses among.
         queries: ``[b, Hq, W, D]`` saved post-RoPE queries, or None when the policy needs none.
         query_positions: ``[b, W]`` int64 logical position of each saved query.
         query_valid: ``[b, W]`` bool, which saved queries are real (not padding, not yet written).
         scaling: attention scaling (usually ``head_dim ** -0.5``).
         layer_idx: index of the layer being compacted.
-        budget: the cache budget in tokens.
+        budget: this layer's budget in tokens per KV head on average (the cache budget, or the layer's PyramidKV
+            budget with ``layer_budget='pyramid'``).
         row_keys: ``[b]`` int64 random keys of the rows (see :mod:`vase.rng`).
         eviction_index: ``[b]`` int64, how many evictions each row has had before this one.
         state: per-slot state of the scorer, tensors ``[b, H, S]`` that move with their tokens.
@@ -71,14 +75,16 @@ class EvictionContext:
     buffer: int = 0
 
     def older(self) -> torch.Tensor:
-        """``[b, S]`` bool: valid slots before the recent window (sinks included), the part of the cache that the
-        reference code of VaSE scores (its softmax and its pooling run over these slots only)."""
+        """``[b, S]`` bool (``[b, H, S]`` with per-head ``valid``): valid slots before the recent window (sinks
+        included), the part of the cache that the reference code of VaSE scores (its softmax and its pooling run over
+        these slots only)."""
         rank = self.valid.long().cumsum(-1) - 1
         n_valid = self.valid.sum(-1, keepdim=True)
         return self.valid & (rank < n_valid - self.buffer)
 
     def sink_mask(self) -> torch.Tensor:
-        """``[b, S]`` bool: the sink slots (the first ``sinks`` valid slots of each row)."""
+        """``[b, S]`` bool (``[b, H, S]`` with per-head ``valid``): the sink slots (the first ``sinks`` valid slots
+        of each row)."""
         rank = self.valid.long().cumsum(-1) - 1
         return self.valid & (rank < self.sinks)
 
@@ -121,10 +127,11 @@ def window_attention(
     """Attention of the saved queries over the cached keys, recomputed in float32.
 
     Each query attends causally (to slots whose logical position is <= its own) over the slots of ``domain``
-    (``[b, S]`` bool, default: every valid slot, as the model itself did), with logits ``q k^T * scaling /
-    temperature``. Returns ``probs`` ``[b, H, G, W, S]`` (rows of invalid queries and columns outside the domain are
-    zero) and ``seen`` ``[b, H, S]``: how many valid queries can see each slot (the causal count a mean over queries
-    divides by). With ``since`` (an int or ``[b]`` tensor), only queries at positions > ``since`` count.
+    (``[b, S]`` or per head ``[b, H, S]`` bool, default: every valid slot, as the model itself did), with logits
+    ``q k^T * scaling / temperature``. Returns ``probs`` ``[b, H, G, W, S]`` (rows of invalid queries and columns
+    outside the domain are zero) and ``seen`` ``[b, H, S]``: how many valid queries can see each slot (the causal
+    count a mean over queries divides by). With ``since`` (an int or ``[b]`` tensor), only queries at positions >
+    ``since`` count.
 
     ``value_weight`` other than 'none' returns the value-aware weights of :func:`weight_by_value` in place of the
     attention probabilities (same shape and zeros); every attention-based scorer gets the option through here.
@@ -143,7 +150,7 @@ def window_attention(
     visible = (ctx.positions.view(b, h, 1, 1, s) <= ctx.query_positions.view(b, 1, 1, w, 1)) & qvalid.view(
         b, 1, 1, w, 1
     )  # [b, H, 1, W, S]
-    allowed = domain.view(b, 1, 1, 1, s) & visible
+    allowed = domain.view(b, -1, 1, 1, s) & visible
     logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
     del logits
@@ -217,16 +224,18 @@ def pool_tokens(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
 
 
 def pool_in_order(x: torch.Tensor, domain: torch.Tensor, order: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
-    """Pool ``x`` ``[b, H, G, S]`` along the slots of ``domain`` (``[b, S]`` bool) taken in increasing ``order``
+    """Pool ``x`` ``[b, H, G, S]`` along the slots of ``domain`` (``[b, S]`` or ``[b, H, S]`` bool) taken in
+    increasing ``order``
     (``[b, H, S]``), with zero padding at both ends of the domain: slots outside the domain are neither pooled nor
     pooled into. Entries outside the domain come back as 0.
     """
-    if kernel <= 1:
-        return x * domain[:, None, None, :]
     b, h, g, s = x.shape
-    key = torch.where(domain[:, None, :], order.float(), torch.full_like(order, float("inf"), dtype=torch.float32))
+    domain = domain.view(b, -1, s)  # [b, 1 or H, S]
+    if kernel <= 1:
+        return x * domain[:, :, None, :]
+    key = torch.where(domain, order.float(), torch.full_like(order, float("inf"), dtype=torch.float32))
     perm = torch.sort(key, dim=-1, stable=True).indices  # [b, H, S]: domain slots first, in order
-    inside = domain[:, None, :].expand(b, h, s).gather(-1, perm)
+    inside = domain.expand(b, h, s).gather(-1, perm)
     perm_g = perm[:, :, None, :].expand(b, h, g, s)
     xs = x.gather(-1, perm_g) * inside[:, :, None, :]
     pooled = pool_tokens(xs, kernel, kind) * inside[:, :, None, :]
@@ -314,7 +323,11 @@ class WindowAttention(Scorer):
             value_weight=self.value_weight,
         )
         mean = probs.sum(3) / seen.clamp_min(1).unsqueeze(2).to(probs.dtype)  # [b, H, G, S]
-        if self.pool_edge == "through":
+        if self.pool_edge == "through" and ctx.valid.dim() == 3:
+            # per-head validity (adaptive budgets): pool over each head's live slots in position order, skipping its
+            # dead slots; with one contiguous block of valid slots this is exactly pool_tokens
+            pooled = pool_in_order(mean, ctx.valid, ctx.positions.float(), self.kernel, self.pool)
+        elif self.pool_edge == "through":
             pooled = pool_tokens(mean, self.kernel, self.pool)
         else:
             order = ctx.positions.float()
@@ -397,7 +410,8 @@ class KeyDiversity(Scorer):
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         kn = F.normalize(ctx.keys.float(), dim=-1)
-        w = ctx.valid.unsqueeze(1).unsqueeze(-1).to(kn.dtype)  # [b,1,S,1]
+        b, s = kn.shape[0], kn.shape[2]
+        w = ctx.valid.view(b, -1, s, 1).to(kn.dtype)  # [b,1 or H,S,1]
         anchor = F.normalize((kn * w).sum(2, keepdim=True), dim=-1)  # [b,H,1,D]
         return 1.0 - (kn * anchor).sum(-1)
 
@@ -458,7 +472,7 @@ class Leverage(Scorer):
         ) * (self.rank**-0.5)
         kg = torch.matmul(ctx.keys.float(), proj).pow(2).sum(-1)
         vg = torch.matmul(ctx.values.float(), proj).pow(2).sum(-1)
-        lev = (kg * vg) * ctx.valid.unsqueeze(1)
+        lev = (kg * vg) * ctx.valid.view(b, -1, s)
         return lev / lev.sum(-1, keepdim=True).clamp_min(1e-30)
 
     def describe(self) -> str:
@@ -485,13 +499,15 @@ class RedundancyAware(Scorer):
         # Valid slots are in increasing position order, so "later" means "at a higher slot": the sum of the cosine
         # similarities to the later keys is k_i . (sum of the later normalised keys), a suffix sum over the slots.
         # O(S * D) instead of materialising the [b, H, S, S] similarity matrix.
-        kn = F.normalize(ctx.keys.float(), dim=-1) * ctx.valid[:, None, :, None]
+        b, s = ctx.keys.shape[0], ctx.keys.shape[2]
+        valid_h = ctx.valid.view(b, -1, s)  # [b, 1 or H, S]
+        kn = F.normalize(ctx.keys.float(), dim=-1) * valid_h.unsqueeze(-1)
         suffix = kn.flip(-2).cumsum(-2).flip(-2)  # [b,H,S,D]: sum over slots >= i
         later_sum = F.pad(suffix[..., 1:, :], (0, 0, 0, 1))  # sum over slots > i
-        valid = ctx.valid.float()
-        n_later = F.pad(valid.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).clamp_min(1)  # [b,S]
-        red = (kn * later_sum).sum(-1) / n_later.unsqueeze(1)
-        red = red.masked_fill(~ctx.valid.unsqueeze(1), float("-inf"))
+        valid = valid_h.float()
+        n_later = F.pad(valid.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).clamp_min(1)  # [b,1 or H,S]
+        red = (kn * later_sum).sum(-1) / n_later
+        red = red.masked_fill(~valid_h, float("-inf"))
         red = torch.softmax(red, dim=-1).nan_to_num_(0.0)
         return self.lam * importance - (1.0 - self.lam) * red
 

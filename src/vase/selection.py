@@ -182,15 +182,17 @@ class Selection:
     Attributes:
         indices: ``[b, H, kmax]`` int64 slot indices to keep, ascending; entries at ranks >= ``keep[row]`` are
             padding (index 0) and must be treated as free.
-        forced: ``[b, S]`` bool, sinks and recent window.
+        forced: ``[b, S]`` (or ``[b, H, S]``) bool, sinks and recent window.
         protected: ``[b, H, S]`` bool slots the guard protected (or demoted), or None.
         scores: ``[b, H, S]`` float32 policy scores, or None when the policy was not consulted.
+        keep: ``[b]`` or ``[b, H]`` int64 slots kept (per row, or per head with adaptive budgets), or None.
     """
 
     indices: torch.Tensor
     forced: torch.Tensor
     protected: torch.Tensor | None
     scores: torch.Tensor | None
+    keep: torch.Tensor | None = None
 
 
 def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,9 +207,9 @@ def structural_masks(valid: torch.Tensor, sinks: int, buffer: int) -> tuple[torc
     """Sinks and recent window of each row from its valid slots (valid slots are in position order).
 
     Args:
-        valid: ``[b, S]`` bool.
+        valid: ``[b, S]`` bool, or ``[b, H, S]`` per KV head (adaptive budgets: each head's own valid slots).
     Returns:
-        ``(forced, candidates)``, both ``[b, S]`` bool.
+        ``(forced, candidates)``, both bool of the shape of ``valid``.
     """
     rank = valid.long().cumsum(-1) - 1
     n_valid = valid.sum(-1, keepdim=True)
@@ -216,9 +218,12 @@ def structural_masks(valid: torch.Tensor, sinks: int, buffer: int) -> tuple[torc
 
 
 def pack_valid(valid: torch.Tensor, heads: int, kmax: int) -> torch.Tensor:
-    """Slot indices ``[b, heads, kmax]`` of the valid slots of each row, in order (no eviction, only packing)."""
+    """Slot indices ``[b, heads, kmax]`` of the valid slots of each row, in order (no eviction, only packing); past
+    a row's valid count they are padding (invalid slots, or 0 where ``kmax`` exceeds the ``S`` slots)."""
     b, s = valid.shape
     order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[:, :kmax]
+    if kmax > s:
+        order = torch.nn.functional.pad(order, (0, kmax - s))
     return order.unsqueeze(1).expand(b, heads, kmax)
 
 
@@ -230,6 +235,7 @@ def select(
     keep: torch.Tensor,
     kmax: int,
     forced: torch.Tensor,
+    allocate=None,
 ) -> Selection:
     """Choose the slots to keep.
 
@@ -237,19 +243,25 @@ def select(
         ctx: the eviction context (``ctx.candidates`` are the slots the policy chooses among).
         keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count), or ``[b, H]`` per (row, KV head)
             (adaptive per-head budgets, :mod:`vase.budgets`).
-        kmax: ``max(keep)`` as a Python int.
-        forced: ``[b, S]`` bool sinks and recent window.
+        kmax: at least ``max(keep)``, as a Python int (the width of the returned indices).
+        forced: ``[b, S]`` (or per head ``[b, H, S]``) bool sinks and recent window.
+        allocate: optional ``allocate(ctx, scores, keep) -> [b, H]``: the per-head counts to keep, from the
+            policy's scores ``[b, H, S]`` and ``keep`` (AdaKV, :func:`vase.budgets.head_counts`); used instead of
+            ``keep``.
     Returns:
-        A :class:`Selection`.
+        A :class:`Selection` (``keep`` holds the counts used).
     """
     b, h, s = ctx.positions.shape
-    cand = ctx.candidates.unsqueeze(1).expand(b, h, s)
+    cand = ctx.candidates.view(b, -1, s).expand(b, h, s)
     with record_function("vase.score"):
         scores = scorer.score(ctx)
+    if allocate is not None:
+        with record_function("vase.allocate"):
+            keep = allocate(ctx, scores, keep)
     with record_function("vase.select"):
         key = selector.keys(scores, ctx).clamp(-_KEY_LIMIT, _KEY_LIMIT)
         pr = torch.where(cand, key, torch.full_like(key, _INVALID))
-        pr = torch.where(forced.unsqueeze(1), torch.full_like(pr, _FORCED), pr)
+        pr = torch.where(forced.view(b, -1, s), torch.full_like(pr, _FORCED), pr)
 
     protected = mag = None
     n_protect = guard.count(ctx.budget, ctx.sinks) if guard is not None else 0
@@ -257,13 +269,16 @@ def select(
         protected, pr, mag = _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect)
 
     with record_function("vase.select"):
-        top = _top(pr, kmax)[1]
-        rank_ok = torch.arange(kmax, device=top.device).view(1, 1, kmax) < keep.view(b, -1, 1)
+        k_sel = min(kmax, s)
+        top = _top(pr, k_sel)[1]
+        rank_ok = torch.arange(k_sel, device=top.device).view(1, 1, k_sel) < keep.view(b, -1, 1)
         idx = torch.where(rank_ok, top, torch.full_like(top, s)).sort(dim=-1).values
         idx = idx.masked_fill(idx == s, 0)
         if "order" in ctx.state:
             _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced)
-    return Selection(indices=idx, forced=forced, protected=protected, scores=scores)
+        if kmax > k_sel:  # a layout wider than the slots scored (adaptive budgets): more padding
+            idx = torch.nn.functional.pad(idx, (0, kmax - k_sel))
+    return Selection(indices=idx, forced=forced, protected=protected, scores=scores, keep=keep)
 
 
 def _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced) -> None:
@@ -276,8 +291,8 @@ def _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced) -> None:
     b, h, s = key.shape
     kept = torch.zeros((b, h, s), dtype=torch.bool, device=key.device)
     kept.scatter_(-1, idx, rank_ok.expand_as(idx))
-    sink = ctx.sink_mask().unsqueeze(1).expand(b, h, s)
-    recent = forced.unsqueeze(1).expand(b, h, s) & ~sink
+    sink = ctx.sink_mask().view(b, -1, s).expand(b, h, s)
+    recent = forced.view(b, -1, s).expand(b, h, s) & ~sink
     prot = protected if protected is not None else torch.zeros_like(kept)
     tier = torch.zeros((b, h, s), dtype=torch.long, device=key.device)
     tier = torch.where(kept & ~recent, torch.ones_like(tier), tier)
@@ -301,8 +316,7 @@ def _apply_guard(guard, ctx, pr, cand, keep, forced, n_protect):
     """Protect (or demote) the top ``n_protect`` candidates by value magnitude (with the outlier rule, only those
     above ``factor`` x their head's median); returns (mask ``[b, H, S]``, priorities, magnitudes)."""
     b, h, s = pr.shape
-    n_forced = forced.sum(-1)
-    n_choose = (keep - (n_forced if keep.dim() == 1 else n_forced.view(b, 1))).clamp_min(0)  # [b] or [b, H]
+    n_choose = (keep.view(b, -1) - forced.sum(-1).view(b, -1)).clamp_min(0)  # [b, 1] or [b, H]
     cap = torch.minimum(n_choose, torch.full_like(n_choose, n_protect))
     mag = guard.magnitude(ctx).masked_fill(~cand, float("-inf"))
     k = min(n_protect, s)
