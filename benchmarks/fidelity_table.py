@@ -10,7 +10,8 @@ Each argument is ``label=dir[,dir...]``: folders written by ``vase fidelity --ra
 ``sources.jsonl`` into a new folder to add policies to an earlier sweep). Per label and ratio it prints the mean
 KL(full || policy) over sources and top-1 agreement; then, for each policy that is not a baseline, the paired
 difference to the best baseline at that ratio (mean over the same sources +- its standard error) and whether its mean
-is at or below the best baseline's everywhere. Prints markdown.
+is at or below the best baseline's everywhere. Only the sources that every policy and ratio of a label has are used
+(an interrupted sweep counts up to its last complete source). Prints markdown.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def _size(s: float) -> str:
 def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str], dict]:
     """Markdown lines for one source group, and {policy: {ratio: meets}} for the goal check."""
     data = load(dirs)
+    # only the sources every (policy, size) has, so that every mean is over the same sources
+    common = set.intersection(*(set(recs) for recs in data.values())) if data else set()
+    data = {k: {src: r for src, r in recs.items() if src in common} for k, recs in data.items()}
     sizes = sorted({s for _, s in data}, key=lambda s: (s < 0, s))
     policies = sorted({p for p, _ in data}, key=lambda p: (p not in baselines, p))
-    n_src = {p: max(len(data.get((p, s), {})) for s in sizes) for p in policies}
-    lines = [f"**{label}** ({', '.join(str(d) for d in dirs)})", ""]
+    lines = [f"**{label}** ({', '.join(str(d) for d in dirs)}; the {len(common)} sources all runs have)", ""]
     lines += ["| policy | " + " | ".join(f"{_size(s)}: KL, top-1 %" for s in sizes) + " |"]
     lines += ["|---|" + "---|" * len(sizes)]
     best: dict[float, str] = {}
@@ -65,7 +68,7 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
             top1 = 100 * statistics.mean(r["top1"] for r in recs.values())
             mark = " (best baseline)" if best.get(s) == p else ""
             cells.append(f"{kl:.4f}, {top1:.1f}{mark}")
-        lines.append(f"| `{p}` (n={n_src[p]}) | " + " | ".join(cells) + " |")
+        lines.append(f"| `{p}` | " + " | ".join(cells) + " |")
     lines += ["", f"Paired difference to the best baseline at each ratio ({label}; negative = lower KL):", ""]
     lines += ["| policy | " + " | ".join(f"{_size(s)} vs `{best.get(s, '-')}`" for s in sizes) + " | at or below |"]
     lines += ["|---|" + "---|" * (len(sizes) + 1)]

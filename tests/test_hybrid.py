@@ -456,3 +456,14 @@ def test_cli_model_folder(fam, tmp_path):
         result = CliRunner().invoke(app, args + ["--budget", "16", "--buffer", "8", "--min-new-tokens", "40"])
     assert result.exit_code == 0, result.output
     assert "evictions" in result.output and "policy vase" in result.output
+
+    # vase inspect measures the full-attention layers only (the ones vase evicts), under their model indices
+    from vase.hybrid import plan_layers
+    from vase.magnitudes import collect_kv, magnitude_table
+
+    full = [p.index for p in plan_layers(cfg) if p.evicts]
+    assert 0 < len(full) < cfg.num_hidden_layers
+    token_ids, keys, values, layers = collect_kv(lm, "Hello hybrid world")
+    assert layers == full and len(keys) == len(values) == len(full)
+    assert keys[0].shape[1] == len(token_ids)
+    assert sorted({r["layer"] for r in magnitude_table(keys, values, 2, layers)}) == full

@@ -15,12 +15,17 @@ import torch
 
 
 @torch.inference_mode()
-def collect_kv(lm, text: str, generate_tokens: int = 0) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """Token ids, and per layer the keys and values ``[kv_heads, T, head_dim]`` (float32, post-RoPE keys) of
-    ``text`` through the chat template, optionally followed by ``generate_tokens`` greedy tokens (full cache)."""
+def collect_kv(
+    lm, text: str, generate_tokens: int = 0
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Token ids, and per full-attention layer the keys and values ``[kv_heads, T, head_dim]`` (float32, post-RoPE
+    keys) of ``text`` through the chat template, optionally followed by ``generate_tokens`` greedy tokens (full
+    cache), with those layers' indices in the model. A hybrid model's sliding-window and linear-attention layers,
+    which vase does not evict (:mod:`vase.hybrid`), are left out."""
     from transformers import DynamicCache
 
     from .generation import encode_prompts
+    from .hybrid import plan_layers
 
     enc = encode_prompts(lm.tokenizer, [text]).to(lm.device)
     ids = enc["input_ids"]
@@ -30,16 +35,19 @@ def collect_kv(lm, text: str, generate_tokens: int = 0) -> tuple[list[int], list
         )
     cache = DynamicCache(config=lm.model.config)
     lm.model(input_ids=ids, cache=cache)
-    keys = [layer.keys[0].float().cpu() for layer in cache.layers]
-    values = [layer.values[0].float().cpu() for layer in cache.layers]
-    return ids[0].tolist(), keys, values
+    layers = [p.index for p in plan_layers(lm.model.config.get_text_config(decoder=True)) if p.evicts]
+    keys = [cache.layers[i].keys[0].float().cpu() for i in layers]
+    values = [cache.layers[i].values[0].float().cpu() for i in layers]
+    return ids[0].tolist(), keys, values, layers
 
 
-def magnitude_table(keys: list[torch.Tensor], values: list[torch.Tensor], top: int = 5) -> list[dict]:
+def magnitude_table(
+    keys: list[torch.Tensor], values: list[torch.Tensor], top: int = 5, layers: list[int] | None = None
+) -> list[dict]:
     """One row per (layer, KV head): max/median of value range, value L2 and key L2, and the positions of the
-    ``top`` largest value ranges."""
+    ``top`` largest value ranges. ``layers``: the model's index of each entry (default 0, 1, ...)."""
     rows = []
-    for layer, (k, v) in enumerate(zip(keys, values)):
+    for layer, k, v in zip(layers if layers is not None else range(len(keys)), keys, values):
         v_range = v.amax(-1) - v.amin(-1)  # [H, T]
         v_l2, k_l2 = v.norm(dim=-1), k.norm(dim=-1)
         for h in range(v.shape[0]):
@@ -95,8 +103,8 @@ def heatmap(values: list[torch.Tensor], path: Path, title: str) -> None:
 def inspect_model(lm, text: str, out: Path, generate_tokens: int = 0, top: int = 5) -> str:
     """Measure, write ``magnitudes.json`` and ``value_range_heatmap.png`` into ``out``; return a text report."""
     out.mkdir(parents=True, exist_ok=True)
-    ids, keys, values = collect_kv(lm, text, generate_tokens)
-    rows = magnitude_table(keys, values, top)
+    ids, keys, values, layer_ids = collect_kv(lm, text, generate_tokens)
+    rows = magnitude_table(keys, values, top, layer_ids)
     (out / "magnitudes.json").write_text(json.dumps({"model": lm.name, "tokens": len(ids), "rows": rows}, indent=1))
     heatmap(values, out / "value_range_heatmap.png", f"{lm.name}: value range per token ({len(ids)} tokens)")
     tok = lm.tokenizer
@@ -108,7 +116,7 @@ def inspect_model(lm, text: str, out: Path, generate_tokens: int = 0, top: int =
         f"{lm.name}, {len(ids)} tokens; max/median per layer (worst KV head)",
         f"{'layer':>5} {'V range':>8} {'V L2':>7} {'K L2':>7}  largest value ranges (position:token)",
     ]
-    for layer in range(len(values)):
+    for layer in layer_ids:
         lr = [r for r in rows if r["layer"] == layer]
         worst = max(lr, key=lambda r: r["v_range_max_over_median"])
         lines.append(
