@@ -41,6 +41,27 @@ def _size(s: float) -> str:
     return f"{s:g}x" if s > 0 else f"budget {int(-s)}"
 
 
+def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list[str]:
+    """Markdown: ``policy`` minus each of ``others``, paired over the sources both have, per ratio."""
+    data = load(dirs)
+    sizes = sorted({s for _, s in data}, key=lambda s: (s < 0, s))
+    lines = [f"`{policy}` minus each policy, paired over the same sources ({label}; negative = `{policy}` closer):", ""]
+    lines += ["| minus | " + " | ".join(_size(s) for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for other in others:
+        cells = []
+        for s in sizes:
+            mine, ref = data.get((policy, s), {}), data.get((other, s), {})
+            common = sorted(set(mine) & set(ref))
+            if len(common) < 2:
+                cells.append("-")
+                continue
+            d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
+            se = statistics.stdev(d) / len(d) ** 0.5
+            cells.append(f"{statistics.mean(d):+.4f} ± {se:.4f} (n={len(d)})")
+        lines.append(f"| `{other}` | " + " | ".join(cells) + " |")
+    return lines
+
+
 def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str], dict]:
     """Markdown lines for one source group, and {policy: {ratio: meets}} for the goal check."""
     data = load(dirs)
@@ -97,6 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("groups", nargs="+", help="label=dir[,dir...]")
     ap.add_argument("--baselines", default="snapkv,h2o,tova,rkv,streaming_llm,curdkv,keydiff,knorm")
+    ap.add_argument("--against", default="", help="a policy spec: also print it minus each policy of --minus")
+    ap.add_argument("--minus", default="", help="comma-separated policy specs for --against")
     args = ap.parse_args()
     baselines = [b for b in args.baselines.split(",") if b]
     overall: dict[str, list[bool]] = {}
@@ -106,6 +129,9 @@ def main() -> None:
             raise SystemExit(f"expected label=dir[,dir...], got {g!r}")
         lines, goal = tables(label, [Path(d) for d in dirs.split(",") if d], baselines)
         print("\n".join(lines) + "\n")
+        if args.against:
+            others = [o for o in args.minus.split(",") if o]
+            print("\n".join(paired(label, [Path(d) for d in dirs.split(",") if d], args.against, others)) + "\n")
         for p, ok in goal.items():
             overall.setdefault(p, []).extend(ok.values() if ok else [False])
     meets = sorted(p for p, oks in overall.items() if oks and all(oks))

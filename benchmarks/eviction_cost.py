@@ -1,0 +1,67 @@
+"""Eviction cost of policy options as a share of decode time, without the profiler (issue 11).
+
+For each policy spec, in one process: a prompt of budget + buffer + 1 tokens (compressed at prefill, so the cache
+is full from the start), then ``--steps`` greedy decode steps; the cache times its evictions itself
+(``stats().eviction_seconds``: scoring, guard, selection and compaction, all layers). Prints, per spec, the
+milliseconds per eviction and the share of the decode wall time. ``vase bench --profile`` gives the same total split
+by component, but keeps every profiler event of the run in memory (8 GB for one policy at budget 1024 here), which
+this measurement avoids.
+
+Usage::
+
+    OMP_WAIT_POLICY=PASSIVE VASE_THREADS=1 .venv/bin/python benchmarks/eviction_cost.py \\
+        --policies vase,vase:value_weight=l1,knorm --budget 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vase.bench import DEFAULT_PROMPT, _make_cache, _repeated_prompt
+from vase.models import load_model
+
+
+@torch.inference_mode()
+def measure(lm, policy: str, budget: int, buffer: int, steps: int) -> dict:
+    """Decode ``steps`` tokens after a full prefill; eviction time and decode wall time (seconds)."""
+    ids = _repeated_prompt(lm, DEFAULT_PROMPT, budget + buffer + 1)
+    cache = _make_cache(lm.model, policy, budget, buffer)
+    nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+    before = cache.stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        nxt = lm.model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+    wall = time.perf_counter() - start
+    after = cache.stats()
+    evictions = after.evictions - before.evictions
+    seconds = after.eviction_seconds - before.eviction_seconds
+    return {"policy": policy, "evictions": evictions, "eviction_s": seconds, "wall_s": wall, "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policies", required=True, help="comma-separated policy specs")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--buffer", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--model", default="smollm2")
+    args = ap.parse_args()
+    lm = load_model(args.model)
+    print(f"budget {args.budget}, buffer {args.buffer}, {args.steps} decode steps after a full prefill\n")
+    print("| policy | evictions | ms per eviction (all layers) | decode tok/s | eviction share of decode |")
+    print("|---|---|---|---|---|")
+    for spec in args.policies.split(","):
+        r = measure(lm, spec, args.budget, args.buffer, args.steps)
+        per = 1e3 * r["eviction_s"] / max(r["evictions"], 1)
+        print(
+            f"| `{spec}` | {r['evictions']} | {per:.1f} | {r['steps'] / r['wall_s']:.2f} | "
+            f"{100 * r['eviction_s'] / r['wall_s']:.2f}% |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
