@@ -41,6 +41,15 @@ def _size(s: float) -> str:
     return f"{s:g}x" if s > 0 else f"budget {int(-s)}"
 
 
+def paired_diff(mine: dict[str, dict], ref: dict[str, dict]) -> tuple[float, float, int] | None:
+    """Mean and standard error of ``mine - ref`` KL over the sources both have, and their count (None below 2)."""
+    common = sorted(set(mine) & set(ref))
+    if len(common) < 2:
+        return None
+    d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
+    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)
+
+
 def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list[str]:
     """Markdown: ``policy`` minus each of ``others``, paired over the sources both have, per ratio."""
     data = load(dirs)
@@ -50,14 +59,8 @@ def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list
     for other in others:
         cells = []
         for s in sizes:
-            mine, ref = data.get((policy, s), {}), data.get((other, s), {})
-            common = sorted(set(mine) & set(ref))
-            if len(common) < 2:
-                cells.append("-")
-                continue
-            d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
-            se = statistics.stdev(d) / len(d) ** 0.5
-            cells.append(f"{statistics.mean(d):+.4f} ± {se:.4f} (n={len(d)})")
+            diff = paired_diff(data.get((policy, s), {}), data.get((other, s), {}))
+            cells.append("-" if diff is None else f"{diff[0]:+.4f} ± {diff[1]:.4f} (n={diff[2]})")
         lines.append(f"| `{other}` | " + " | ".join(cells) + " |")
     return lines
 
@@ -99,15 +102,12 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
             continue
         cells, ok = [], {}
         for s in sizes:
-            mine, ref = data.get((p, s), {}), data.get((best.get(s), s), {})
-            common = sorted(set(mine) & set(ref))
-            if len(common) < 2:
+            diff = paired_diff(data.get((p, s), {}), data.get((best.get(s), s), {}))
+            if diff is None:
                 cells.append("-")
                 continue
-            d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
-            se = statistics.stdev(d) / len(d) ** 0.5
-            cells.append(f"{statistics.mean(d):+.4f} ± {se:.4f}")
-            ok[s] = statistics.mean(d) <= 0
+            cells.append(f"{diff[0]:+.4f} ± {diff[1]:.4f}")
+            ok[s] = diff[0] <= 0
         goal[p] = ok
         verdict = "yes" if ok and all(ok.values()) and len(ok) == len(sizes) else "no"
         lines.append(f"| `{p}` | " + " | ".join(cells) + f" | {verdict} |")
