@@ -48,10 +48,15 @@ def pass_through(key: torch.Tensor) -> None:
     _handoff.item = (_PASS, key)
 
 
-def mask_for(evicting: bool) -> None:
+def mask_for(evicting: bool, override=None) -> None:
     """Called by an EvictingCache when transformers asks it for the sizes of the next mask: whether that mask is for
-    an evicting layer (not built; see :func:`_make_mask_function`) or a kept one (built as usual)."""
+    an evicting layer (not built; see :func:`_make_mask_function`) or a kept one (built as usual).
+
+    ``override(kind, dtype, kwargs)``: what the mask function returns instead, for a mask transformers builds outside
+    a forward pass (``generate`` with a compileable cache builds it before each step): the physical-slot mask of a
+    compiled decode step, or the 2-D padding mask itself before the prefill (so vase's pre-hook still gets it)."""
     _forward.mask_evicting = evicting
+    _forward.mask_override = override
 
 
 def _take(key: torch.Tensor):
@@ -116,8 +121,14 @@ def _make_wrapper(base: str):
 
 def _make_mask_function(base: str):
     base_mask = ALL_MASK_ATTENTION_FUNCTIONS[base]
+    kind = _MASK_KIND[base]
 
     def vase_mask(*args, **kwargs):
+        override = getattr(_forward, "mask_override", None)
+        if override is not None:
+            _forward.mask_override = None
+            if not evicting_forward():
+                return override(kind, kwargs.get("dtype", torch.float32), kwargs)
         if evicting_forward():
             evicting = getattr(_forward, "mask_evicting", True)
             _forward.mask_evicting = True

@@ -321,6 +321,8 @@ class EvictingLayer(CacheLayerMixin):
             ValueError: keys whose KV heads or head dim differ from the model's layer the cache was made for.
         """
         c = self.cache
+        if c._static_forward:
+            return self._static_update(key_states, value_states)
         if self._awaiting_attention:
             raise RuntimeError(
                 "vase's attention function did not run after the last cache update of layer "
@@ -328,7 +330,7 @@ class EvictingLayer(CacheLayerMixin):
                 "created. Build the cache again with EvictingCache(model, ...), or call vase.attention.install(model)."
             )
         c._check_keys(self.layer_idx, key_states)
-        step = c._step_for(key_states)
+        step = c._step_for(key_states.shape[0], key_states.shape[2], key_states.device)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif self.capacity < step.capacity and not c.policy.evicts:
@@ -377,6 +379,9 @@ class EvictingLayer(CacheLayerMixin):
         with :meth:`_record_padded`.
         """
         c = self.cache
+        if c._static_forward:
+            self._static_record(query)
+            return
         step = c._step
         self._q_heads = query.shape[1]
         self.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -436,6 +441,8 @@ class EvictingLayer(CacheLayerMixin):
         per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see :mod:`vase.pages`);
         with adaptive budgets it is per head too (:meth:`_head_mask`)."""
         c = self.cache
+        if c._static_forward:
+            return self._static_mask(kind, dtype)
         if c.policy.sparse is not None:
             return c.policy.sparse.mask(self, c._step, query, kind, dtype, c.budget, c.sinks)
         if c.adaptive:
@@ -466,6 +473,9 @@ class EvictingLayer(CacheLayerMixin):
     def after_attention(self) -> None:
         """Write staged tokens and compact the rows that reached capacity; then mark this layer done."""
         c = self.cache
+        if c._static_forward:
+            self._static_after()
+            return
         step = c._step
         self._awaiting_attention = False
         t0 = time.perf_counter() if step.evict_rows else None
@@ -481,6 +491,58 @@ class EvictingLayer(CacheLayerMixin):
                 torch.cuda.synchronize(self.keys.device)
             c._eviction_seconds += time.perf_counter() - t0
         c._layer_done(self)
+
+    # ------------------------------------------------------------------------------------- compiled decoding
+    # One decode step of a compileable cache (see EvictingCache, "Compiled decoding"): fixed shapes, no Python value
+    # that changes from step to step, no host-device synchronization. The eager part (eviction, bookkeeping) runs
+    # before the step, in EvictingCache.prepare_decode.
+    def _static_update(self, k: torch.Tensor, v: torch.Tensor):
+        """Write the step's token ``[B, kv_heads, 1, D]`` at each row's fill; return the whole buffers
+        ``[B, kv_heads, capacity, D]`` (the slots past a row's fill are masked by :meth:`_static_mask`)."""
+        c = self.cache
+        b, h, _, d = k.shape
+        slot = c._fill_t.view(b, 1, 1, 1)
+        self.keys.scatter_(2, slot.expand(b, h, 1, d), k)
+        self.values.scatter_(2, slot.expand(b, h, 1, v.shape[-1]), v)
+        self.positions.scatter_(2, slot.view(b, 1, 1).expand(b, h, 1), c._real_t.view(b, 1, 1).expand(b, h, 1))
+        attn.hand_off(self, self.keys)
+        return self.keys, self.values
+
+    def _static_record(self, query: torch.Tensor) -> None:
+        """Save the step's query ``[B, q_heads, 1, D]`` at the ring's write pointer (a device tensor)."""
+        c = self.cache
+        if self.queries is None:
+            return
+        i = c._qnext_t
+        self.queries.index_copy_(2, i, query)
+        self.query_positions.index_copy_(1, i, c._real_t.view(-1, 1))
+        self.query_valid.index_fill_(1, i, True)
+
+    def _static_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """``[B, 1, 1, capacity]`` (``[B, q_heads, 1, capacity]`` with adaptive budgets): the slots holding a token,
+        the new one included; bool for sdpa, 0 / dtype-min for eager."""
+        c = self.cache
+        b, h, cap = self.positions.shape
+        if c.adaptive:
+            m = (self.positions >= 0).unsqueeze(2).repeat_interleave(self._q_heads // h, dim=1)
+        else:
+            m = (c._slot_ids.view(1, cap) <= c._fill_t.view(b, 1)).view(b, 1, 1, cap)
+        if kind == "bool":
+            return m
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+    def _static_after(self) -> None:
+        """After the last evicting layer: advance the device counters (fill, position, ring pointer)."""
+        c = self.cache
+        if self.layer_idx != c._evicting[-1]:
+            return
+        c._fill_t.add_(1)
+        c._real_t.add_(1)
+        c._seen_t.add_(1)
+        if c.window:
+            c._qnext_t.add_(1).remainder_(c.window)
+        c._static_forward = False
+        c._phase = "ran"
 
     # ----------------------------------------------------------------------------------------------- eviction
     def _context(self, step, rt, keys, values, positions, valid, state, memo) -> EvictionContext:
@@ -795,6 +857,8 @@ class EvictingCache(Cache):
         compress_prompt: bool | None = None,
         record_evictions: bool = False,
         profile: bool = False,
+        compileable: bool = False,
+        max_cache_len: int | None = None,
         **policy_options,
     ):
         check_sizes(budget, buffer, sinks, window)
@@ -837,6 +901,10 @@ class EvictingCache(Cache):
         self.adakv = self.adaptive and self.policy.options.get("head_budget") == "adakv"
         if self.adaptive:
             budgets.check_head_budgets_supported(attn.base_implementation(model))
+        self.compileable = bool(compileable)
+        self.max_cache_len = max_cache_len
+        if self.compileable:
+            check_compileable(self.policy, self._plan, attn.base_implementation(model), max_cache_len)
         self._model_ref = weakref.ref(model)
         layers = [EvictingLayer(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
         super().__init__(layers=layers)
@@ -858,6 +926,13 @@ class EvictingCache(Cache):
         self._row_keys: torch.Tensor | None = None
         self._step: _Step | None = None
         self._pending_mask: torch.Tensor | None = None
+        # compiled decoding (compileable=True): see "Compiled decoding" in the class docstring
+        self._decode_ok = False  # decode steps take the static path (compileable, after the first forward)
+        self._phase = "idle"  # 'planned' by prepare_decode, 'ran' after the step, 'idle' once flushed
+        self._static_step: _Step | None = None
+        self._static_forward = False
+        self._counters_synced = False
+        self._fill_t = self._real_t = self._seen_t = self._qnext_t = self._slot_ids = None
 
     def reset(self) -> None:
         """Empty the cache so it can be used again (any batch size) with the same model."""
@@ -868,9 +943,109 @@ class EvictingCache(Cache):
                 self.layers[p.index] = hybrid.kept_layer(p)
         self._clear()
 
+    # ------------------------------------------------------------------------------------- compiled decoding
+    def prepare_decode(self) -> None:
+        """The eager part of the next decode step (one token per row) of a compileable cache: evict the rows the last
+        step filled, update the host bookkeeping, plan the step. Idempotent until the step runs.
+
+        ``model.generate(..., compile_config=...)`` calls it for you (through the mask transformers builds before each
+        compiled step), and so does an uncompiled forward. A hand-written loop around a compiled forward should call
+        it before each step (and pass ``position_ids``): otherwise the compiled forward calls it itself, at the cost
+        of a graph break at the start of each step.
+
+        Raises:
+            RuntimeError: for a cache made without ``compileable=True``, or before the first forward (the prefill).
+        """
+        if not self.compileable:
+            raise RuntimeError("prepare_decode() is for a cache made with EvictingCache(..., compileable=True)")
+        if not self._decode_ok:
+            raise RuntimeError("prepare_decode() comes after the first forward pass (the prefill), before each decode")
+        if self._phase == "planned":
+            return
+        self._flush()
+        layer = self.layers[self._evicting[0]]
+        self._step = None
+        self._static_step = self._step_for(self.batch, 1, layer.keys.device)
+        self._step = None
+        if layer.capacity < self._static_step.capacity:  # `full` past its max_cache_len: larger buffers (recompiles)
+            for i in self._evicting:
+                self.layers[i]._grow(self._static_step.capacity)
+            self._counters_synced = False
+        if not self._counters_synced:
+            self._sync_counters(layer)
+        self._phase = "planned"
+
+    def _flush(self) -> None:
+        """After a compiled decode step ran: evict the rows it filled (eagerly, outside the graph) and commit it."""
+        if self._phase != "ran":
+            return
+        step, self._static_step = self._static_step, None
+        self._phase = "idle"
+        if step.evict_rows:
+            t0 = time.perf_counter()
+            for i in self._evicting:
+                with record_function("vase.evict"):
+                    self.layers[i]._compact_rows(step)
+            if self.profile and self._fill_t.is_cuda:
+                torch.cuda.synchronize(self._fill_t.device)
+            self._eviction_seconds += time.perf_counter() - t0
+        self._commit(step)
+        for i in self._evicting:
+            layer = self.layers[i]
+            if layer.queries is not None:
+                layer._q_next = (layer._q_next + 1) % layer.queries.shape[2]
+        if step.evict_rows:
+            self._fill_t.copy_(upload(self._fill, self._fill_t.device))
+
+    def _sync_counters(self, layer: EvictingLayer) -> None:
+        """Device copies of the host counters, allocated once (their addresses never change, as CUDA graphs need);
+        the cache's buffers are marked as static inputs of compiled graphs."""
+        dev = layer.keys.device
+        values = {
+            "_fill_t": upload(self._fill, dev),
+            "_real_t": upload(self._real, dev),
+            "_seen_t": upload([self._seen], dev).view(()),
+            "_qnext_t": upload([layer._q_next], dev),
+            "_slot_ids": torch.arange(layer.capacity, device=dev),
+        }
+        for name, value in values.items():
+            held = getattr(self, name)
+            if held is None or held.shape != value.shape or held.device != value.device:
+                setattr(self, name, value)
+                torch._dynamo.mark_static_address(value)
+            else:
+                held.copy_(value)
+        for i in self._evicting:
+            lay = self.layers[i]
+            tensors = [lay.keys, lay.values, lay.positions, lay.queries, lay.query_positions, lay.query_valid]
+            for t in tensors + list(lay.state.values()) + list(lay.row_memo.values()):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+        self._counters_synced = True
+
+    def _begin_static(self) -> None:
+        """Start of a compiled decode step (vase's forward pre-hook, inside the graph)."""
+        if self._phase != "planned":
+            if torch.compiler.is_compiling():
+                _prepare_outside_graph(self)
+            else:
+                self.prepare_decode()
+        self._static_forward = True
+
     # ---------------------------------------------------------------------------------------- step planning
     def _begin_forward(self, model, batch: int, q: int, attention_mask: torch.Tensor | None) -> None:
-        """Called by vase's forward pre-hook before a forward pass: validate and stash the padding mask."""
+        """Called by vase's forward pre-hook before a forward pass: validate and stash the padding mask (a decode
+        step of a compileable cache: see :meth:`_begin_static`)."""
+        if q == 1 and self._decode_ok:
+            self._begin_static()
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a compiled forward got several tokens per row on a compileable EvictingCache: compile the decode "
+                "steps only (one token per row); the prefill runs uncompiled, as model.generate does"
+            )
+        self._flush()
+        self._phase, self._static_step = "idle", None  # a decode step planned but not run is dropped
         if model is not None and self._model_ref() is not None and model is not _decoder(self._model_ref()):
             raise ValueError(
                 "this EvictingCache was created for another model; create one per model with EvictingCache(model, ...)"
@@ -932,10 +1107,10 @@ class EvictingCache(Cache):
                 f"model with {plan.kv_heads} KV heads of dim {plan.head_dim} there: create one per model"
             )
 
-    def _step_for(self, key_states: torch.Tensor) -> _Step:
+    def _step_for(self, b: int, q: int, device: torch.device) -> _Step:
+        """The plan of the forward pass in progress (made at its first layer): ``b`` rows of ``q`` new tokens."""
         if self._step is not None:
             return self._step
-        b, q = key_states.shape[0], key_states.shape[2]
         self._check_batch(b)
         mask, self._pending_mask = self._pending_mask, None
         if self.batch is None:
@@ -945,7 +1120,7 @@ class EvictingCache(Cache):
             self._row_evictions = [0] * b
         new_valid = None
         if mask is not None and q > 1:
-            new_valid = mask[:, -q:].to(device=key_states.device, dtype=torch.bool)
+            new_valid = mask[:, -q:].to(device=device, dtype=torch.bool)
             counts = new_valid.sum(-1).tolist()
             if all(cnt == q for cnt in counts):
                 new_valid = None
@@ -962,6 +1137,8 @@ class EvictingCache(Cache):
             self.capacity = max(self._row_limit)
             if self.policy.evicts:  # after a compaction a row holds `slots` (> budget with adaptive budgets)
                 self.capacity = max(self.capacity, self.slots + self.buffer)
+            elif self.max_cache_len:  # a never-evicting policy with a known length: allocated once
+                self.capacity = max(self.capacity, self.max_cache_len)
         if self.policy.evicts:
             limit = self._limits()
             evict_rows = [i for i, (cnt, lim) in enumerate(zip(n, limit)) if cnt >= lim]
@@ -983,7 +1160,7 @@ class EvictingCache(Cache):
             real_before=list(self._real),
             new_valid=new_valid,
             uniform=uniform,
-            device=key_states.device,
+            device=device,
             capacity=self.capacity,
         )
         return self._step
@@ -1007,6 +1184,7 @@ class EvictingCache(Cache):
         """
         if self.capacity is None or not self.policy.evicts:
             raise RuntimeError("room() is known after the first forward pass, for an evicting policy")
+        self._flush()
         return [lim - f for lim, f in zip(self._limits(), self._fill)]
 
     def _limits(self) -> list[int]:
@@ -1019,6 +1197,12 @@ class EvictingCache(Cache):
         step.layers_done += 1
         if step.layers_done < self.num_layers:
             return
+        self._commit(step)
+        self._step = None
+        self._counters_synced = False  # an eager step: the device counters of compiled decoding are stale
+
+    def _commit(self, step: _Step) -> None:
+        """The host bookkeeping of a finished forward pass: fills, positions, eviction counts."""
         if step.evict_rows:
             # tokens held per (layer, KV head) on average: the fill, less the dead slots of a row compacted before
             gap = [self.slots - self.budget if self._row_evictions[i] else 0 for i in step.evict_rows]
@@ -1031,7 +1215,7 @@ class EvictingCache(Cache):
         self._fill = list(step.keep)
         self._real = [r + c for r, c in zip(self._real, step.counts)]
         self._seen += step.q
-        self._step = None
+        self._decode_ok = self.compileable
 
     def _row_keys_tensor(self, device) -> torch.Tensor:
         if self._row_keys is None or self._row_keys.device != device:
@@ -1052,7 +1236,11 @@ class EvictingCache(Cache):
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Logical length: tokens seen so far (padding columns included), as RoPE positions need."""
+        """Logical length: tokens seen so far (padding columns included), as RoPE positions need (inside a compiled
+        decode step: a 0-d int64 device tensor, so the graph does not depend on the value)."""
+        if torch.compiler.is_compiling() and self._decode_ok:
+            return self._seen_t
+        self._flush()
         return self._seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -1060,14 +1248,44 @@ class EvictingCache(Cache):
         function replaces that mask by its own over physical slots, so none is built), the layer's own for a kept
         sliding-window layer (its usual mask is built and used)."""
         evicts = not isinstance(self.layers[layer_idx], CacheLayerMixin) or self._plan[layer_idx].evicts
+        if self._decode_ok and query_length == 1:
+            if torch.compiler.is_compiling():  # inside a compiled step (a hand-written loop): no mask is built
+                attn.mask_for(True)
+                return self.capacity, 0
+            if not attn.evicting_forward():
+                # transformers' mask creation before a compiled decode step (model.generate with a compileable
+                # cache): the eager part of the step runs now, and the mask handed to the graph is vase's own
+                self.prepare_decode()
+                attn.mask_for(True, override=self._eager_mask)
+                return self.capacity, 0
+        if self.compileable and not attn.evicting_forward() and evicts:
+            # the same mask creation before the (uncompiled) prefill: keep the 2-D padding mask for vase's pre-hook
+            attn.mask_for(True, override=lambda kind, dtype, kwargs: kwargs.get("attention_mask"))
+            return self._seen + query_length, 0
         attn.mask_for(evicts)
         if evicts:
             return self._seen + query_length, 0
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
+    def _eager_mask(self, kind: str, dtype: torch.dtype, kwargs: dict) -> torch.Tensor:
+        """The mask of the planned decode step over physical slots, built before the compiled step (the graph's
+        attention builds the same one itself; this one stands in for the mask transformers would build)."""
+        layer = self.layers[self._evicting[0]]
+        b, cap = self._fill_t.shape[0], self._slot_ids.shape[0]
+        if self.adaptive:  # the new token's slot is not written yet: live slots, plus the one at each row's fill
+            m = (layer.positions[:, :1] >= 0) | (self._slot_ids.view(1, 1, cap) == self._fill_t.view(b, 1, 1))
+            m = m.unsqueeze(2)
+        else:
+            m = (self._slot_ids.view(1, cap) <= self._fill_t.view(b, 1)).view(b, 1, 1, cap)
+        if kind == "bool" or kind == "padding":
+            return m
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+
     @property
     def is_compileable(self) -> bool:
-        return False
+        """True for a cache made with ``compileable=True``: ``model.generate(..., compile_config=...)`` then compiles
+        its decode steps (see "Compiled decoding" in the class docstring)."""
+        return self.compileable
 
     @property
     def is_croppable(self) -> bool:
@@ -1076,11 +1294,13 @@ class EvictingCache(Cache):
     @property
     def fill(self) -> list[int]:
         """Filled slots of each row (tokens)."""
+        self._flush()
         return list(self._fill)
 
     def stats(self) -> CacheStats:
         """Current :class:`CacheStats` (bytes: see its attributes; the kept layers of a hybrid model count in both
         ``bytes_held`` and ``bytes_full``)."""
+        self._flush()
         held = full = other = live = 0
         for p in self._plan:
             layer = self.layers[p.index]
@@ -1116,6 +1336,36 @@ class EvictingCache(Cache):
             bytes_other=other,
             bytes_live=live,
         )
+
+
+@torch.compiler.disable
+def _prepare_outside_graph(cache: EvictingCache) -> None:
+    """:meth:`EvictingCache.prepare_decode` run eagerly from inside a compiled forward (a graph break)."""
+    cache.prepare_decode()
+
+
+def check_compileable(policy: Policy, plan, attn_impl: str, max_cache_len: int | None) -> None:
+    """The rules of compiled decoding (``EvictingCache(..., compileable=True)``), as clear errors.
+
+    Raises:
+        ValueError: flash-attention (its padded path is not a fixed-shape graph: use sdpa), a hybrid model (its
+            sliding-window layers are transformers' dynamic ones), the selection policy ``quest`` (its page table
+            grows with the sequence), a ``max_cache_len`` that is not a positive integer.
+    """
+    if attn_impl not in ("sdpa", "eager"):
+        raise ValueError(
+            f"compiled decoding needs sdpa or eager attention, not {attn_impl!r}: load the model with "
+            "attn_implementation='sdpa'"
+        )
+    if any(not p.evicts for p in plan):
+        raise ValueError(
+            "compiled decoding supports models whose layers are all full attention; this hybrid model's "
+            "sliding-window or linear layers are kept by transformers' dynamic layers: use compileable=False"
+        )
+    if policy.sparse is not None:
+        raise ValueError(f"compiled decoding does not support the selection policy {policy.name!r}: use another one")
+    if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len < 1):
+        raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len!r}")
 
 
 def _decoder(model):
