@@ -8,7 +8,13 @@ It is sized for one 10-minute call: vase runs first, then the full cache with th
 reports what it reached. Results go to a JSON file (default ``$OUT/gpu_bench.json`` when ``$OUT`` is set).
 
     python benchmarks/gpu_qwen3_4b.py                   # on an H100/H200
+    python benchmarks/gpu_qwen3_4b.py --compile         # + compiled decode steps (CUDA graphs), 4 runs, sdpa
     python benchmarks/gpu_qwen3_4b.py --tiny --device cpu   # the same code path at toy size (tests)
+
+With ``--compile`` it runs vase and the full cache each compiled (``torch.compile(model, mode='reduce-overhead',
+fullgraph=True)``: vase's ``EvictingCache(..., compileable=True)``, transformers' ``StaticCache`` for the full cache)
+and not, 4096 new tokens by default, and prints every run's speed as a ratio to the full cache, compiled and not.
+Compilation and CUDA-graph capture happen in untimed warm-up steps.
 """
 
 from __future__ import annotations
@@ -60,6 +66,23 @@ def build_model(shape: dict, device: str, dtype: torch.dtype, attn: str):
     return model.to(dtype).eval()
 
 
+MODES = ("vase", "full")
+COMPILED_MODES = ("vase+compile", "vase", "full+compile", "full")
+
+
+def make_cache(model, mode: str, budget: int, buffer: int, max_len: int):
+    """``full``: DynamicCache; ``full+compile``: StaticCache of ``max_len`` tokens; ``vase`` (``+compile``): vase's
+    EvictingCache (compileable)."""
+    from transformers import DynamicCache, StaticCache
+
+    import vase
+
+    compiled = mode.endswith("+compile")
+    if mode.startswith("full"):
+        return StaticCache(config=model.config, max_cache_len=max_len) if compiled else DynamicCache(config=model.config)
+    return vase.EvictingCache(model, policy="vase", budget=budget, buffer=buffer, compileable=compiled)
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -76,28 +99,40 @@ def run_mode(
     device: str,
     deadline: float,
     marks: list[int],
+    compiled=None,
+    warmup: int = 8,
 ) -> dict:
-    """Greedy decode ``tokens`` steps for the whole batch; stop early at ``deadline`` (time.perf_counter)."""
-    from transformers import DynamicCache
-
-    import vase
-
+    """Greedy decode ``tokens`` steps for the whole batch; stop early at ``deadline`` (time.perf_counter). A mode
+    ending in ``+compile`` runs ``compiled`` (the compiled model) after ``warmup`` untimed steps (compilation)."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cache = (
-        DynamicCache(config=model.config)
-        if mode == "full"
-        else vase.EvictingCache(model, policy="vase", budget=budget, buffer=buffer)
-    )
+    length = prompt.shape[1]
+    cache = make_cache(model, mode, budget, buffer, length + warmup + tokens + 1)
+    use_compiled = mode.endswith("+compile")
+    prepare = getattr(cache, "prepare_decode", None) if use_compiled else None
+
+    def step(nxt: torch.Tensor, position: int) -> torch.Tensor:
+        if not use_compiled:
+            return model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+        if prepare is not None:
+            prepare()
+        pos = torch.full((nxt.shape[0], 1), position, dtype=torch.long, device=nxt.device)
+        return compiled(input_ids=nxt, cache=cache, position_ids=pos).logits[:, -1:].argmax(-1)
+
     t0 = time.perf_counter()
     nxt = model(input_ids=prompt, cache=cache).logits[:, -1:].argmax(-1)
     sync(device)
     prefill = time.perf_counter() - t0
+    skip = warmup if use_compiled else 0
+    for i in range(skip):
+        nxt = step(nxt, length + i)
+    sync(device)
+    compile_s = time.perf_counter() - t0 - prefill
     start = time.perf_counter()
     rows, done, last_t, last_i = [], 0, start, 0
     for i in range(1, tokens + 1):
-        nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+        nxt = step(nxt, length + skip + i - 1)
         done = i
         if i in marks or i == tokens or (i % 256 == 0 and time.perf_counter() > deadline):
             sync(device)
@@ -120,16 +155,17 @@ def run_mode(
         "complete": done == tokens,
         "decode_s": seconds,
         "prefill_s": prefill,
+        "warmup_s": compile_s,
         "tok_s": prompt.shape[0] * done / seconds,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None,
         "marks": rows,
-        "stats": cache.stats().line() if mode != "full" else None,
+        "stats": cache.stats().line() if mode.startswith("vase") else None,
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens (default 16384; 4096 with --compile)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=4096)
@@ -138,14 +174,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attn", default="auto", help="auto: flash_attention_2 if flash-attn is installed, else sdpa")
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for the whole script")
     ap.add_argument("--tiny", action="store_true", help="toy shape, batch 2, 64 tokens (CPU test of the code path)")
+    ap.add_argument("--compile", action="store_true", help="also compiled decode steps (CUDA graphs on a GPU)")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend with --compile")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = 4096 if args.compile else 16384  # with --compile, four runs in one call
     begin = time.perf_counter()
     if args.tiny:
         shape, args.batch, args.tokens, args.budget, args.buffer, args.prompt_tokens = TINY, 2, 64, 32, 8, 16
     else:
         shape = QWEN3_4B
     attn = args.attn
+    if args.compile and attn == "auto":
+        attn = "sdpa"  # compiled decoding: sdpa (flash-attention's padded path is not a fixed-shape graph)
     if attn == "auto":
         attn = (
             "flash_attention_2" if args.device.startswith("cuda") and importlib.util.find_spec("flash_attn") else "sdpa"
@@ -167,19 +209,39 @@ def main(argv: list[str] | None = None) -> dict:
         "buffer": args.buffer,
         "runs": [],
     }
+    modes = COMPILED_MODES if args.compile else MODES
+    compiled = None
+    if args.compile:
+        cmode = "reduce-overhead" if args.device.startswith("cuda") else "default"
+        compiled = torch.compile(model, backend=args.backend, mode=cmode, fullgraph=True, dynamic=False)
+        results.update(compile_mode=cmode, backend=args.backend)
     setup = time.perf_counter() - begin
     remaining = args.time_limit - setup
-    for j, mode in enumerate(("vase", "full")):
-        share = remaining / (2 - j)  # vase gets half of what is left, full the rest
+    for j, mode in enumerate(modes):
+        share = remaining / (len(modes) - j)  # each run gets an equal share of what is left
         deadline = time.perf_counter() + share
-        res = run_mode(model, prompt, mode, args.tokens, args.budget, args.buffer, args.device, deadline, marks)
+        res = run_mode(
+            model, prompt, mode, args.tokens, args.budget, args.buffer, args.device, deadline, marks, compiled
+        )
         results["runs"].append(res)
         remaining = args.time_limit - (time.perf_counter() - begin)
         print(json.dumps({k: v for k, v in res.items() if k != "marks"}), flush=True)
-    v, f = results["runs"]
+    by_mode = {r["mode"]: r for r in results["runs"]}
+    v, f = by_mode["vase"], by_mode["full"]
     results["speedup"] = v["tok_s"] / f["tok_s"]
     if v["peak_gb"] and f["peak_gb"]:
         results["memory_ratio"] = f["peak_gb"] / v["peak_gb"]
+    if args.compile:
+        fc = by_mode["full+compile"]
+        results["vs_full"] = {m: r["tok_s"] / f["tok_s"] for m, r in by_mode.items()}
+        results["vs_full_compiled"] = {m: r["tok_s"] / fc["tok_s"] for m, r in by_mode.items()}
+        for m, r in by_mode.items():
+            print(
+                f"{m:>14}: {r['tok_s']:8.1f} tok/s, {results['vs_full'][m]:.2f}x full, "
+                f"{results['vs_full_compiled'][m]:.2f}x full+compile, peak {r['peak_gb']} GB, "
+                f"{r['tokens_done']} tokens{'' if r['complete'] else ' (cut short)'}",
+                flush=True,
+            )
     out = args.out or (
         Path(os.environ["OUT"]) / "gpu_bench.json" if os.environ.get("OUT") else Path("runs/gpu_bench.json")
     )

@@ -9,8 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from vase.bench import bench_markdown, decode_run, paired_markdown, paired_speed, rss_bytes
+from vase.bench import (
+    bench_markdown,
+    compiled_markdown,
+    compiled_speed,
+    decode_run,
+    paired_markdown,
+    paired_speed,
+    rss_bytes,
+)
 
 from .conftest import random_ids, tiny_lm, tiny_model
 
@@ -89,6 +98,20 @@ def test_gpu_script_at_toy_size_on_cpu(tmp_path):
     assert "evictions" in saved["runs"][0]["stats"]
 
 
+def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
+    """``--compile``: four runs (vase and the full cache, compiled and not), ratios to both full-cache runs."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_qwen3_4b.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch._dynamo.reset()  # a new model: start from empty dynamo caches (see tests/test_compile.py, fresh_model)
+    res = mod.main(["--tiny", "--device", "cpu", "--compile", "--backend", "aot_eager", "--out", str(tmp_path / "g.json")])
+    modes = [r["mode"] for r in res["runs"]]
+    assert modes == ["vase+compile", "vase", "full+compile", "full"]
+    assert all(r["complete"] and r["tok_s"] > 0 for r in res["runs"])
+    assert res["vs_full"]["full"] == 1.0 and res["vs_full_compiled"]["full+compile"] == 1.0
+    assert "evictions" in res["runs"][0]["stats"] and res["attn"] == "sdpa"
+
+
 def test_cli_bench_end_to_end(embedded, tmp_path):
     """`vase bench` at toy lengths: one subprocess per configuration (full cache + vase), a table and the goals.
 
@@ -135,3 +158,19 @@ def test_paired_speed_interleaves_policies():
     assert "| vase |" in table and "× full" in table
     with pytest.raises(ValueError, match="context >= budget \\+ buffer"):
         paired_speed(lm, ["vase"], budget=24, buffer=8, context=20, steps=4, progress=False)
+
+
+def test_compiled_speed_pairs_compiled_and_uncompiled_runs():
+    """`vase bench --compile`'s measurement at toy size: each policy compiled and not, at each context, with ratios;
+    the compiled vase run evicts, the compiled full cache is transformers' StaticCache."""
+    torch._dynamo.reset()
+    lm = tiny_lm("llama")
+    res = compiled_speed(
+        lm, ["full", "vase"], contexts=[30, 64], budget=24, buffer=8, steps=16, backend="aot_eager", progress=False
+    )
+    assert [r["context"] for r in res] == [30, 64] and res[0]["budget"] == 15 and res[1]["budget"] == 24
+    for r in res:
+        assert [x["policy"] for x in r["runs"]] == ["full", "full+compile", "vase", "vase+compile"]
+        assert all(x["tok_s"] > 0 for x in r["runs"]) and r["mode"] == "default"
+    text = compiled_markdown(res)
+    assert "compiled / uncompiled (aot_eager, default): full " in text and "vase " in text

@@ -159,7 +159,10 @@ def _pre_hook(module, args, kwargs):
     ref = ids if ids is not None else kwargs.get("inputs_embeds")
     if ref is None:
         return None
-    begin(model=module, batch=ref.shape[0], q=ref.shape[1], attention_mask=kwargs.get("attention_mask"))
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict):  # generate's masks per layer type (a compileable cache): vase's own 2-D one
+        mask = mask.get("full_attention")
+    begin(model=module, batch=ref.shape[0], q=ref.shape[1], attention_mask=mask)
     return None
 
 

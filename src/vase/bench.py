@@ -149,6 +149,8 @@ def paired_speed(
     prompt: str = DEFAULT_PROMPT,
     progress: bool = True,
     make_cache=None,
+    make_step=None,
+    warmup: int = 0,
 ) -> dict:
     """Decode speed of several caches measured in one process, interleaved, at the same context length.
 
@@ -165,6 +167,9 @@ def paired_speed(
         steps: decode steps per policy (a multiple of ``buffer`` measures whole eviction cycles).
         make_cache: ``(model, policy, budget, buffer) -> cache`` for caches other than the default ones (a label
             the caller defines, e.g. the ``full`` policy in vase's static buffers); default: :func:`_make_cache`.
+        make_step: ``(model, policy, cache) -> step``, ``step(next_ids [1, 1], position) -> next_ids``: one greedy
+            decode step (e.g. a compiled forward, see :func:`compiled_speed`); default: ``model(...)`` and argmax.
+        warmup: untimed decode steps of every policy after its prefill (compilation, a first eviction).
 
     Returns:
         ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
@@ -183,7 +188,12 @@ def paired_speed(
     for policy in policies:
         cache = (make_cache or _make_cache)(lm.model, policy, budget, buffer)
         nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
-        states.append({"policy": policy, "cache": cache, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []})
+        step = (make_step or _eager_step)(lm.model, policy, cache)
+        for i in range(warmup):
+            nxt = step(nxt, context + i)
+        states.append(
+            {"policy": policy, "cache": cache, "step": step, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []}
+        )
     bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)
     turn = 0
     while any(s["done"] < steps for s in states):
@@ -194,9 +204,9 @@ def paired_speed(
                 continue
             _sync(lm.device)
             t0 = time.perf_counter()
-            nxt = s["next"]
-            for _ in range(n):
-                nxt = lm.model(input_ids=nxt, cache=s["cache"]).logits[:, -1:].argmax(-1)
+            nxt, step, at = s["next"], s["step"], context + warmup + s["done"]
+            for i in range(n):
+                nxt = step(nxt, at + i)
             _sync(lm.device)
             dt = time.perf_counter() - t0
             s["next"], s["done"], s["seconds"] = nxt, s["done"] + n, s["seconds"] + dt
@@ -216,6 +226,117 @@ def paired_speed(
         for s in states
     ]
     return {"context": context, "steps": steps, "budget": budget, "buffer": buffer, "runs": runs}
+
+
+def _eager_step(model, policy: str, cache):
+    def step(nxt: torch.Tensor, position: int) -> torch.Tensor:
+        return model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+
+    return step
+
+
+COMPILED = "+compile"
+
+
+def _compiled_cache(model, label: str, budget: int, buffer: int, max_len: int):
+    """The cache of a :func:`compiled_speed` label: ``full`` = ``DynamicCache``, ``full+compile`` = transformers'
+    ``StaticCache`` of ``max_len`` tokens (what a user compiles without vase), ``P`` / ``P+compile`` = vase's
+    :class:`~vase.EvictingCache` (compileable for the latter)."""
+    from transformers import StaticCache
+
+    from .cache import EvictingCache
+
+    policy, compiled = label.removesuffix(COMPILED), label.endswith(COMPILED)
+    if policy == "full":
+        return StaticCache(config=model.config, max_cache_len=max_len) if compiled else _make_cache(model, "full", 0, 0)
+    return EvictingCache(model, policy=policy, budget=budget, buffer=buffer, compileable=compiled)
+
+
+def compiled_speed(
+    lm,
+    policies: list[str] = ("full", "vase"),
+    contexts: list[int] = (1024, 8192),
+    budget: int = 1024,
+    buffer: int = 64,
+    steps: int = 256,
+    backend: str = "inductor",
+    mode: str | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Decode speed compiled vs uncompiled, side by side in one process (:func:`paired_speed` at each context).
+
+    For each policy, two runs take turns: the uncompiled forward, and ``torch.compile(model, fullgraph=True,
+    dynamic=False)`` with a compiled-ready cache (vase: ``EvictingCache(..., compileable=True)``, its eager part
+    :meth:`~vase.EvictingCache.prepare_decode` before each step; ``full``: transformers' ``StaticCache`` against
+    the uncompiled ``DynamicCache``). Compilation and a first eviction happen in ``buffer + 1`` untimed warm-up steps.
+    The budget of a context shorter than ``budget + buffer`` is cut to half the context.
+
+    Args:
+        lm: a loaded model (:func:`vase.models.load_model`), sdpa or eager attention.
+        policies: ``full`` and vase policies; the first policy's uncompiled run is the reference of the ratios.
+        contexts: prompt lengths in tokens.
+        budget, buffer: tokens, for the evicting policies.
+        steps: timed decode steps per run.
+        backend, mode: of ``torch.compile``; mode default: 'reduce-overhead' (CUDA graphs) on a GPU, else 'default'.
+
+    Returns:
+        One :func:`paired_speed` result per context, runs labelled ``P`` and ``P+compile``.
+    """
+    mode = mode or ("reduce-overhead" if lm.device.type == "cuda" else "default")
+    compiled = torch.compile(lm.model, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    labels = [label for p in policies for label in (p, p + COMPILED)]
+    results = []
+    for context in contexts:
+        size = budget if context >= budget + buffer else context // 2
+        max_len = context + buffer + 1 + steps + 1
+
+        def make_cache(model, label, budget_, buffer_):
+            return _compiled_cache(model, label, budget_, buffer_, max_len)
+
+        def make_step(model, label, cache):
+            if not label.endswith(COMPILED):
+                return _eager_step(model, label, cache)
+            prepare = getattr(cache, "prepare_decode", None)
+
+            def step(nxt: torch.Tensor, position: int) -> torch.Tensor:
+                if prepare is not None:
+                    prepare()
+                pos = torch.full((nxt.shape[0], 1), position, dtype=torch.long, device=nxt.device)
+                return compiled(input_ids=nxt, cache=cache, position_ids=pos).logits[:, -1:].argmax(-1)
+
+            return step
+
+        res = paired_speed(
+            lm,
+            labels,
+            budget=size,
+            buffer=buffer,
+            context=context,
+            steps=steps,
+            progress=progress,
+            make_cache=make_cache,
+            make_step=make_step,
+            warmup=buffer + 1,
+        )
+        res.update(backend=backend, mode=mode)
+        results.append(res)
+    return results
+
+
+def compiled_markdown(results: list[dict]) -> str:
+    """The results of :func:`compiled_speed`: one table per context, with compiled / uncompiled ratios."""
+    out = []
+    for res in results:
+        speed = {r["policy"]: r["tok_s"] for r in res["runs"]}
+        out.append(paired_markdown(res))
+        pairs = [p for p in speed if not p.endswith(COMPILED) and p + COMPILED in speed]
+        out.append(
+            "compiled / uncompiled ("
+            + f"{res['backend']}, {res['mode']}): "
+            + ", ".join(f"{p} {speed[p + COMPILED] / speed[p]:.2f}x" for p in pairs)
+            + "\n"
+        )
+    return "\n".join(out)
 
 
 def paired_markdown(res: dict) -> str:

@@ -831,8 +831,26 @@ class EvictingCache(Cache):
             inspection; ``n_protect`` is the guard's count or cap, ``n_protected`` ``[rows, KV heads]`` how many
             each head protected).
         profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
+        compileable: decode steps as fixed-shape graphs for ``torch.compile`` / CUDA graphs (see "Compiled
+            decoding" below); ``is_compileable`` is then True.
+        max_cache_len: with ``compileable``, for a policy that never evicts (``full``): tokens its buffers hold
+            from the start (prompt + new tokens + 1), so they never grow (a growth means a new graph).
         **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
             temperature, lam, rank, head_budget, layer_budget, budget_cap; see :func:`vase.make_policy`).
+
+    Compiled decoding (``compileable=True``): a decode step (one token per row, after the first forward) is a
+    fixed-shape graph. Each evicting layer writes the token at its row's fill (``_fill_t``, a ``[B]`` int64 device
+    tensor), returns its whole buffers ``[B, kv_heads, capacity, head_dim]``, and attends with a mask built from
+    ``_fill_t`` (``[B, 1, 1, capacity]``; per KV head from the slot positions with adaptive budgets); the query goes
+    into the ring at a device pointer; the counters advance in place after the last layer. No Python value that
+    changes from step to step is read inside the step and nothing in it synchronizes with the host. The eager part
+    runs before the step in :meth:`prepare_decode`: the compaction of the rows the previous step filled (every
+    ``buffer`` steps, the same code and result as the uncompiled cache) and the host bookkeeping.
+    ``model.generate(..., compile_config=vase.compile_config(device))`` calls it through the mask transformers builds
+    before each compiled step (vase's mask function then returns its own mask); an uncompiled forward calls it from
+    vase's pre-hook. Greedy outputs equal the uncompiled cache's token for token (``tests/test_compile.py``), with one
+    graph per model, batch size and buffer size (a policy with saved queries and one without differ). Not for
+    flash-attention, hybrid models or ``quest`` (clear errors).
 
     Raises:
         ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
@@ -842,7 +860,8 @@ class EvictingCache(Cache):
             attention other than sdpa or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the
             first layer's pyramid budget, for ``quest`` a budget below its forced pages or a flash-attention model,
             or, at the first forward, keys of another shape than the model's, a cache reused for another model or
-            batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens it holds.
+            batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens it holds; with
+            ``compileable``, see :func:`check_compileable`.
     """
 
     def __init__(

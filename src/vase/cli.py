@@ -117,6 +117,9 @@ def generate(
     top_k: int = typer.Option(20, "--top-k"),
     system: str | None = typer.Option(None, help="system prompt"),
     no_chat: bool = typer.Option(False, "--no-chat", help="do not apply the chat template"),
+    compile: bool = typer.Option(
+        False, "--compile", help="compile the decode steps (CUDA graphs on a GPU); the first steps wait for it"
+    ),
 ):
     """Generate from one prompt with an evicting cache, streaming the text, then print a stats line."""
     from .data import TEMPLATES
@@ -137,6 +140,7 @@ def generate(
         top_k=top_k,
         system=system,
         chat=not no_chat,
+        compile=compile,
         **_policy_options(protect_share),
     )
     model_options = dict(name=model, dtype=dtype, device=device, attn=attn)
@@ -459,7 +463,9 @@ def report(
 def bench(
     out: Path = typer.Option(Path("runs/bench"), "--out", "-o", help="results folder (bench.json, BENCH.md)"),
     lengths: str = typer.Option("1024,2048,4096,8192", help="marks: new tokens at which to measure"),
-    policies: str = typer.Option("streaming_llm,snapkv,rkv,vase,vase_dkv", help="policies besides the full cache"),
+    policies: str | None = typer.Option(
+        None, help="policies besides the full cache (default streaming_llm,snapkv,rkv,vase,vase_dkv; vase with --compile)"
+    ),
     budgets: str = typer.Option("256,512,1024", help="comma-separated budgets in tokens"),
     buffer: int = BufferOpt,
     profile: bool = typer.Option(False, "--profile", help="only profile the eviction steps of vase and exit"),
@@ -467,22 +473,39 @@ def bench(
     paired: bool = typer.Option(
         False, "--paired", help="interleave the policies' decode steps in one process at one context length; exit"
     ),
-    paired_budget: int = typer.Option(1024, "--paired-budget", help="budget of the evicting policies with --paired"),
+    paired_budget: int = typer.Option(
+        1024, "--paired-budget", help="budget of the evicting policies with --paired / --compile"
+    ),
     context: int = typer.Option(8192, help="with --paired: prompt length in tokens"),
-    steps: int = typer.Option(512, help="with --paired: decode steps per policy"),
+    steps: int = typer.Option(512, help="with --paired / --compile: decode steps per run"),
+    compile: bool = typer.Option(
+        False, "--compile", help="compiled vs uncompiled decode, side by side at each of --contexts; exit"
+    ),
+    contexts: str = typer.Option("1024,8192", help="with --compile: prompt lengths in tokens"),
+    backend: str = typer.Option("inductor", help="with --compile: torch.compile backend"),
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
 ):
     """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
-    from .bench import paired_markdown, paired_speed, profile_eviction, run_bench
+    from .bench import compiled_markdown, compiled_speed, paired_markdown, paired_speed, profile_eviction, run_bench
     from .generation import check_options
     from .models import check_load_options
 
     check_load_options(device=device)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder: give a folder for the results")
+    if policies is None:
+        policies = "vase" if compile else "streaming_llm,snapkv,rkv,vase,vase_dkv"
     names = _csv(policies)
-    if paired:
+    if compile:
+        if "quest" in names:
+            raise ValueError("--compile: the selection policy quest has no compiled decoding; choose others")
+        ctx = _csv(contexts, int)
+        if not ctx or min(ctx) < 2 * buffer + 2 or steps < 1:
+            raise ValueError(f"--compile needs --contexts of at least {2 * buffer + 2} tokens and --steps >= 1")
+        sizes = [paired_budget]
+        names = [n for n in names if n != "full"]
+    elif paired:
         sizes = [paired_budget]
         if steps < 1 or context < paired_budget + buffer:
             raise ValueError(
@@ -502,10 +525,26 @@ def bench(
         for size in sizes:  # the full cache has no budget: only its name is checked
             check_options(policy=name, budget=None if name == "full" else size, buffer=buffer)
     _threads()
-    if paired or profile:
+    if paired or profile or compile:
         from .models import load_model
 
         lm = load_model(model, device=device)
+    if compile:
+        import json
+
+        import torch
+
+        res = compiled_speed(
+            lm, ["full", *names], contexts=ctx, budget=paired_budget, buffer=buffer, steps=steps, backend=backend
+        )
+        for r in res:
+            r.update(model=lm.name, device=str(lm.device), threads=torch.get_num_threads())
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compiled.json").write_text(json.dumps(res, indent=1))
+        (out / "COMPILED.md").write_text(compiled_markdown(res))
+        typer.echo(compiled_markdown(res))
+        typer.echo(f"[vase] written {out / 'compiled.json'} and {out / 'COMPILED.md'}")
+        return
     if paired:
         import json
 

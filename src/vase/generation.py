@@ -41,6 +41,7 @@ def check_options(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    compile: bool = False,
     **policy_options,
 ) -> None:
     """Check generation options before anything is loaded: the rules of :func:`generate` and
@@ -54,7 +55,7 @@ def check_options(
             outside [0, max_new_tokens], temperature < 0, top_p outside (0, 1], top_k < 0, an unknown policy or
             policy option, a budget or window the published preset cannot take (see
             :func:`vase.cache.check_published`), a quest budget below its forced pages (see
-            :meth:`vase.pages.PageSelection.check`).
+            :meth:`vase.pages.PageSelection.check`), ``compile`` with the selection policy quest.
     """
 
     if budget is not None and compression_ratio is not None:
@@ -74,6 +75,22 @@ def check_options(
         check_published(built, DEFAULT_BUDGET if budget is None else budget, buffer, window or buffer)
     if built.sparse is not None:  # quest: the budget must cover the pages it always attends
         built.sparse.check(size, sinks)
+        if compile:
+            raise ValueError(f"compiled decoding does not support the selection policy {built.name!r}: use another one")
+
+
+def compile_config(device: torch.device | str, backend: str = "inductor"):
+    """transformers' ``CompileConfig`` for compiled decode steps on ``device``: the whole step as one graph
+    (``fullgraph``), fixed shapes, CUDA graphs on a GPU (mode 'reduce-overhead'), plain inductor code elsewhere; set
+    to compile on any device (transformers compiles on GPUs only unless told)."""
+    from transformers import CompileConfig
+
+    cuda = torch.device(device).type == "cuda"
+    config = CompileConfig(
+        fullgraph=True, dynamic=False, backend=backend, mode="reduce-overhead" if cuda else "default"
+    )
+    config._compile_all_devices = True
+    return config
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -199,6 +216,7 @@ def generate(
     chat: bool = True,
     system: str | None = None,
     streamer=None,
+    compile: bool = False,
     **policy_options,
 ) -> GenerationResult:
     """Generate from ``prompts`` with an :class:`~vase.EvictingCache`.
@@ -212,6 +230,9 @@ def generate(
         seed: keys eviction sampling (row i uses ``seed + i``, or one seed per row) and token sampling.
         temperature: 0 = greedy; > 0 samples with ``top_p`` / ``top_k`` (reasoning models: 0.6 / 0.95 / 20).
         streamer: a transformers streamer (e.g. ``TextStreamer``) to see text as it is generated (batch 1).
+        compile: compile the decode steps (``torch.compile``, CUDA graphs on a GPU; see "Compiled decoding" in
+            :class:`~vase.EvictingCache`): the first steps wait for the compilation (about a minute), the others
+            run one graph each; sdpa or eager attention, not quest, not hybrid models.
 
     Raises:
         ValueError: empty prompt, a prompt longer than the model's context, or an option out of range (see
@@ -231,6 +252,7 @@ def generate(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        compile=compile,
         **policy_options,
     )
     enc = encode_prompts(tokenizer, prompts, chat=chat, system=system)
@@ -264,6 +286,8 @@ def generate(
         window=window,
         seed=row_seeds,
         compress_prompt=compress_prompt,
+        compileable=compile,
+        max_cache_len=prompt_len + max_new_tokens + 1 if compile else None,
         **policy_options,
     )
     sampling = temperature > 0
@@ -277,6 +301,8 @@ def generate(
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    if compile:
+        gen_kwargs.update(compile_config=compile_config(device))
     clock = _Clock(streamer)
     torch.manual_seed(row_seeds[0])
     start = time.perf_counter()
