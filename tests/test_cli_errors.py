@@ -74,6 +74,7 @@ def _error(args, calls, **kw) -> str:
         (["--attn", "flash", "--device", "cpu"], "unknown attention implementation 'flash'"),
         (["--attn", "flash_attention_2", "--device", "cpu"], "flash_attention_2 needs a CUDA device"),
         (["--template", "poem"], "unknown template 'poem'; choose auto, math, mcq or none"),
+        (["--policy", "quest", "--compile"], "compiled decoding does not support the selection policy 'quest'"),
     ],
 )
 def test_generate_option_ranges(no_loading, args, message):

@@ -241,3 +241,30 @@ def test_model_load_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json and 0 .gguf files"):
         load_model(str(tmp_path / "empty"))
+
+
+def test_python_api_compile(monkeypatch):
+    """``generate(..., compile=True)``: a compileable cache and transformers' compiled decode steps (aot_eager here;
+    inductor in tests/test_compile.py): the same completions as without."""
+    import torch._dynamo
+
+    import vase.generation
+
+    def quick(device, backend="inductor"):
+        return real(device, backend="aot_eager")
+
+    real = vase.generation.compile_config
+    monkeypatch.setattr(vase.generation, "compile_config", quick)
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    prompts = ["a first prompt", "and a longer second prompt"]
+    kwargs = dict(budget=40, buffer=8, max_new_tokens=60, min_new_tokens=60)
+    plain = generate(model, TinyTokenizer(), prompts, **kwargs)
+    compiled = generate(model, TinyTokenizer(), prompts, compile=True, **kwargs)
+    assert [c.token_ids for c in compiled.completions] == [c.token_ids for c in plain.completions]
+    assert compiled.stats.evictions == plain.stats.evictions >= 3
+    full = generate(model, TinyTokenizer(), prompts, policy="full", compile=True, **kwargs)
+    reference = generate(model, TinyTokenizer(), prompts, policy="full", **kwargs)
+    assert [c.token_ids for c in full.completions] == [c.token_ids for c in reference.completions]
+    # max_cache_len = prompt + new tokens + 1 (the last new token is never fed back): allocated once, never grown
+    assert full.stats.capacity == reference.stats.tokens_seen + 2
