@@ -1287,16 +1287,12 @@ class EvictingCache(Cache):
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def _eager_mask(self, kind: str, dtype: torch.dtype, kwargs: dict) -> torch.Tensor:
-        """The mask of the planned decode step over physical slots, built before the compiled step (the graph's
-        attention builds the same one itself; this one stands in for the mask transformers would build)."""
-        layer = self.layers[self._evicting[0]]
+        """``[B, 1, 1, capacity]``: the slots each row holds in the planned decode step, the new token's included, built
+        before the compiled step. It stands in for the mask transformers would build; vase's attention builds its own
+        in the graph (per KV head with adaptive budgets, where each layer's is different)."""
         b, cap = self._fill_t.shape[0], self._slot_ids.shape[0]
-        if self.adaptive:  # the new token's slot is not written yet: live slots, plus the one at each row's fill
-            m = (layer.positions[:, :1] >= 0) | (self._slot_ids.view(1, 1, cap) == self._fill_t.view(b, 1, 1))
-            m = m.unsqueeze(2)
-        else:
-            m = (self._slot_ids.view(1, cap) <= self._fill_t.view(b, 1)).view(b, 1, 1, cap)
-        if kind == "bool" or kind == "padding":
+        m = (self._slot_ids.view(1, cap) <= self._fill_t.view(b, 1)).view(b, 1, 1, cap)
+        if kind in ("bool", "padding"):
             return m
         return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
 
