@@ -181,6 +181,9 @@ def test_eval_option_ranges(no_loading, tmp_path, task_file, args, message):
         (["--paired", "--steps", "0"], "--paired needs --steps >= 1"),
         (["--profile", "--profile-budget", "50"], "budget (50) must be larger than sinks + buffer (4 + 64 = 68)"),
         (["--device", "tpu"], "invalid device 'tpu'"),
+        (["--compile", "--contexts", "100"], "--compile needs --contexts of at least 130 tokens"),
+        (["--compile", "--policies", "vase,quest"], "--compile: the selection policy quest has no compiled decoding"),
+        (["--compile", "--paired-budget", "50"], "budget (50) must be larger than sinks + buffer (4 + 64 = 68)"),
     ],
 )
 def test_bench_option_ranges(no_loading, tmp_path, args, message):

@@ -530,33 +530,14 @@ def bench(
 
         lm = load_model(model, device=device)
     if compile:
-        import json
-
-        import torch
-
         res = compiled_speed(
             lm, ["full", *names], contexts=ctx, budget=paired_budget, buffer=buffer, steps=steps, backend=backend
         )
-        for r in res:
-            r.update(model=lm.name, device=str(lm.device), threads=torch.get_num_threads())
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compiled.json").write_text(json.dumps(res, indent=1))
-        (out / "COMPILED.md").write_text(compiled_markdown(res))
-        typer.echo(compiled_markdown(res))
-        typer.echo(f"[vase] written {out / 'compiled.json'} and {out / 'COMPILED.md'}")
+        _write_results(out, "compiled", res, compiled_markdown(res), lm)
         return
     if paired:
-        import json
-
-        import torch
-
         res = paired_speed(lm, _csv(policies), budget=paired_budget, buffer=buffer, context=context, steps=steps)
-        res.update(model=lm.name, device=str(lm.device), threads=torch.get_num_threads())
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "paired.json").write_text(json.dumps(res, indent=1))
-        (out / "PAIRED.md").write_text(paired_markdown(res))
-        typer.echo(paired_markdown(res))
-        typer.echo(f"[vase] written {out / 'paired.json'} and {out / 'PAIRED.md'}")
+        _write_results(out, "paired", res, paired_markdown(res), lm)
         return
     if profile:
         for policy in _csv(policies) or ["vase"]:
@@ -572,6 +553,21 @@ def bench(
         device=device,
     )
     typer.echo((out / "BENCH.md").read_text())
+
+
+def _write_results(out: Path, name: str, res, markdown: str, lm) -> None:
+    """``out/<name>.json`` (each result tagged with the model, device and threads) and ``out/<NAME>.md``, echoed."""
+    import json
+
+    import torch
+
+    for r in res if isinstance(res, list) else [res]:
+        r.update(model=lm.name, device=str(lm.device), threads=torch.get_num_threads())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name.upper()}.md").write_text(markdown)
+    typer.echo(markdown)
+    typer.echo(f"[vase] written {out / f'{name}.json'} and {out / f'{name.upper()}.md'}")
 
 
 def main():  # pragma: no cover - console entry point
