@@ -163,8 +163,11 @@ def test_paired_speed_interleaves_policies():
 def test_compiled_speed_pairs_compiled_and_uncompiled_runs():
     """`vase bench --compile`'s measurement at toy size: each policy compiled and not, at each context, with ratios;
     the compiled vase run evicts, the compiled full cache is transformers' StaticCache."""
+    import torch._dynamo.utils
+
     torch._dynamo.reset()
     lm = tiny_lm("llama")
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     res = compiled_speed(
         lm, ["full", "vase"], contexts=[30, 64], budget=24, buffer=8, steps=16, backend="aot_eager", progress=False
     )
@@ -172,5 +175,8 @@ def test_compiled_speed_pairs_compiled_and_uncompiled_runs():
     for r in res:
         assert [x["policy"] for x in r["runs"]] == ["full", "full+compile", "vase", "vase+compile"]
         assert all(x["tok_s"] > 0 for x in r["runs"]) and r["mode"] == "default"
+    # one graph per compiled run (2 runs x 2 contexts): none recompiles in its timed steps when another cache runs
+    # between its turns (vase's per-thread state is guarded by value, and set from the start)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 4
     text = compiled_markdown(res)
     assert "compiled / uncompiled (aot_eager, default): full " in text and "vase " in text

@@ -32,8 +32,21 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _MASK_KIND = {"sdpa": "bool", "eager": "additive", "flash_attention_2": "padding", "flash_attention_3": "padding"}
 _PREFIX = "vase_"
-_handoff = threading.local()
-_forward = threading.local()  # .evicting: the decoder forward pass in progress on this thread uses an EvictingCache
+
+
+class _ThreadState(threading.local):
+    """Per-thread state. Every attribute exists from the start, so a compiled graph that reads one guards on its value,
+    not on whether it has been set yet (a guard that would fail, and recompile, once another cache sets it)."""
+
+    def __init__(self):
+        self.item = None  # hand-off: (EvictingLayer or _PASS, key tensor) from a cache update to the next attention
+        self.evicting = False  # the decoder forward pass in progress on this thread uses an EvictingCache
+        self.mask_evicting = True  # the next mask transformers builds is for an evicting layer
+        self.mask_override = None  # what the next mask function call returns instead (see mask_for)
+
+
+_handoff = _ThreadState()
+_forward = _ThreadState()
 _PASS = object()  # hand-off marker of a kept (non-evicting) layer of an EvictingCache
 
 
@@ -60,7 +73,7 @@ def mask_for(evicting: bool, override=None) -> None:
 
 
 def _take(key: torch.Tensor):
-    item = getattr(_handoff, "item", None)
+    item = _handoff.item
     if item is not None and item[1] is key:
         _handoff.item = None
         return item[0]
@@ -69,7 +82,7 @@ def _take(key: torch.Tensor):
 
 def evicting_forward() -> bool:
     """Whether the decoder forward pass running on this thread uses an :class:`~vase.EvictingCache`."""
-    return getattr(_forward, "evicting", False)
+    return _forward.evicting
 
 
 def _fallback_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -124,13 +137,13 @@ def _make_mask_function(base: str):
     kind = _MASK_KIND[base]
 
     def vase_mask(*args, **kwargs):
-        override = getattr(_forward, "mask_override", None)
+        override = _forward.mask_override
         if override is not None:
             _forward.mask_override = None
             if not evicting_forward():
                 return override(kind, kwargs.get("dtype", torch.float32), kwargs)
         if evicting_forward():
-            evicting = getattr(_forward, "mask_evicting", True)
+            evicting = _forward.mask_evicting
             _forward.mask_evicting = True
             if evicting:
                 return None  # the attention wrapper builds the mask over physical slots itself

@@ -282,7 +282,12 @@ def compiled_speed(
     Returns:
         One :func:`paired_speed` result per context, runs labelled ``P`` and ``P+compile``.
     """
+    from .attention import install
+
     mode = mode or ("reduce-overhead" if lm.device.type == "cuda" else "default")
+    # vase's attention function first, for every run: creating a vase cache switches the model to it, which would
+    # send an earlier compiled run (the full cache's) into a recompilation in the middle of its timed steps
+    install(lm.model)
     compiled = torch.compile(lm.model, backend=backend, mode=mode, fullgraph=True, dynamic=False)
     labels = [label for p in policies for label in (p, p + COMPILED)]
     results = []
