@@ -263,6 +263,7 @@ def test_python_api_compile(monkeypatch):
     compiled = generate(model, TinyTokenizer(), prompts, compile=True, **kwargs)
     assert [c.token_ids for c in compiled.completions] == [c.token_ids for c in plain.completions]
     assert compiled.stats.evictions == plain.stats.evictions >= 3
+    assert compiled.stats_line().endswith("(compilation included)") and "compilation" not in plain.stats_line()
     full = generate(model, TinyTokenizer(), prompts, policy="full", compile=True, **kwargs)
     reference = generate(model, TinyTokenizer(), prompts, policy="full", **kwargs)
     assert [c.token_ids for c in full.completions] == [c.token_ids for c in reference.completions]

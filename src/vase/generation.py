@@ -174,6 +174,7 @@ class GenerationResult:
             f"{st.evictions} evictions | KV {st.slots_held}/{st.capacity} slots (budget {st.budget} + buffer "
             f"{st.buffer}), {st.bytes_held / mib:.2f} MiB held vs {st.bytes_full / mib:.2f} MiB full "
             f"({st.compression:.2f}x) | {self.tokens_per_second:.1f} tok/s, {self.seconds:.1f} s"
+            + (" (compilation included)" if self.extra.get("compiled") else "")
         )
 
 
@@ -323,7 +324,13 @@ def generate(
             kept.append(t)
         text = tokenizer.decode(kept, skip_special_tokens=True)
         completions.append(Completion(text=text, token_ids=kept, prompt_tokens=int(lengths[row]), finished=finished))
-    return GenerationResult(completions=completions, stats=cache.stats(), seconds=seconds, first_token_seconds=first)
+    return GenerationResult(
+        completions=completions,
+        stats=cache.stats(),
+        seconds=seconds,
+        first_token_seconds=first,
+        extra={"compiled": True} if compile else {},
+    )
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
