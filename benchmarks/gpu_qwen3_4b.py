@@ -79,7 +79,9 @@ def make_cache(model, mode: str, budget: int, buffer: int, max_len: int):
 
     compiled = mode.endswith("+compile")
     if mode.startswith("full"):
-        return StaticCache(config=model.config, max_cache_len=max_len) if compiled else DynamicCache(config=model.config)
+        return (
+            StaticCache(config=model.config, max_cache_len=max_len) if compiled else DynamicCache(config=model.config)
+        )
     return vase.EvictingCache(model, policy="vase", budget=budget, buffer=buffer, compileable=compiled)
 
 

@@ -104,7 +104,9 @@ def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     torch._dynamo.reset()  # a new model: start from empty dynamo caches (see tests/test_compile.py, fresh_model)
-    res = mod.main(["--tiny", "--device", "cpu", "--compile", "--backend", "aot_eager", "--out", str(tmp_path / "g.json")])
+    res = mod.main(
+        ["--tiny", "--device", "cpu", "--compile", "--backend", "aot_eager", "--out", str(tmp_path / "g.json")]
+    )
     modes = [r["mode"] for r in res["runs"]]
     assert modes == ["vase+compile", "vase", "full+compile", "full"]
     assert all(r["complete"] and r["tok_s"] > 0 for r in res["runs"])

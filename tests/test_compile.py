@@ -170,7 +170,12 @@ def test_static_path_uncompiled_matches_and_buffers_stay():
     ref2 = generate(model, plain, full_ids, full_mask, 40)
     out2 = generate(model, static, full_ids, full_mask, 40)
     assert torch.equal(ref2, out2)
-    assert ptrs == (layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr(), static._fill_t.data_ptr())
+    assert ptrs == (
+        layer.keys.data_ptr(),
+        layer.values.data_ptr(),
+        layer.positions.data_ptr(),
+        static._fill_t.data_ptr(),
+    )
     same_stats(plain, static)
 
 

@@ -295,7 +295,7 @@ def compiled_speed(
         size = budget if context >= budget + buffer else context // 2
         max_len = context + buffer + 1 + steps + 1
 
-        def make_cache(model, label, budget_, buffer_):
+        def make_cache(model, label, budget_, buffer_, max_len=max_len):
             return _compiled_cache(model, label, budget_, buffer_, max_len)
 
         def make_step(model, label, cache):

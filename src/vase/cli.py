@@ -464,7 +464,8 @@ def bench(
     out: Path = typer.Option(Path("runs/bench"), "--out", "-o", help="results folder (bench.json, BENCH.md)"),
     lengths: str = typer.Option("1024,2048,4096,8192", help="marks: new tokens at which to measure"),
     policies: str | None = typer.Option(
-        None, help="policies besides the full cache (default streaming_llm,snapkv,rkv,vase,vase_dkv; vase with --compile)"
+        None,
+        help="policies besides the full cache (default streaming_llm,snapkv,rkv,vase,vase_dkv; vase with --compile)",
     ),
     budgets: str = typer.Option("256,512,1024", help="comma-separated budgets in tokens"),
     buffer: int = BufferOpt,
