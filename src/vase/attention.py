@@ -18,6 +18,13 @@ forward pass that uses an :class:`~vase.EvictingCache` (flagged by the pre-hook)
 layer (the cache says so when transformers asks it for the mask's sizes): then it builds nothing and returns None,
 since the wrapper would discard that mask (``[B, 1, q, seen + q]``, as large as the attention weights of a prefill in
 eager) for its own. The sliding-window mask of a hybrid model, sized against its sliding layer, is built as usual.
+
+Compiled decoding (``EvictingCache(..., compileable=True)``, see :class:`vase.EvictingCache`): the same wrapper and
+hook run inside the compiled step, where the cache takes its fixed-shape path. ``generate`` builds each step's mask
+outside the compiled forward when the cache is compileable; the cache then hands the mask function an override
+(:func:`mask_for`): the physical-slot mask of the decode step, or, before the prefill, the 2-D padding mask itself.
+The per-thread state is set in full from the start, so that a compiled graph guards on values, not on attributes
+appearing later.
 """
 
 from __future__ import annotations
