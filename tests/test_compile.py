@@ -210,6 +210,19 @@ def test_hand_written_compiled_loop():
     assert torch.equal(_hand_loop(model, cache, broken, prompt, 120, False), ref)
 
 
+def test_full_policy_growth_warns():
+    """``full`` without ``max_cache_len`` still decodes exactly, but its buffers grow (a new graph): a warning says
+    what to give."""
+    model = tiny_model("llama")
+    ids, mask = ragged()
+    plain = vase.EvictingCache(model, policy="full", budget=24, buffer=8)
+    static = vase.EvictingCache(model, policy="full", budget=24, buffer=8, compileable=True)
+    ref = generate(model, plain, ids, mask, 40)
+    with pytest.warns(UserWarning, match="max_cache_len"):
+        out = generate(model, static, ids, mask, 40)
+    assert torch.equal(ref, out)
+
+
 def test_compileable_errors():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="selection policy 'quest'"):

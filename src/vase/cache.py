@@ -39,6 +39,7 @@ allocated for ``slots + buffer``: ``stats().bytes_held`` is that, ``stats().byte
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -987,6 +988,12 @@ class EvictingCache(Cache):
         self._static_step = self._step_for(self.batch, 1, layer.keys.device)
         self._step = None
         if layer.capacity < self._static_step.capacity:  # `full` past its max_cache_len: larger buffers (recompiles)
+            warnings.warn(
+                f"the {self.policy.name!r} policy's buffers grow from {layer.capacity} to "
+                f"{self._static_step.capacity} slots: compiled decode steps are compiled again for the new shape; "
+                "give EvictingCache(..., max_cache_len=prompt + new tokens + 1) to allocate them once",
+                stacklevel=2,
+            )
             for i in self._evicting:
                 self.layers[i]._grow(self._static_step.capacity)
             self._counters_synced = False
