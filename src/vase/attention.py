@@ -79,6 +79,14 @@ def mask_for(evicting: bool, override=None) -> None:
     _forward.mask_override = override
 
 
+def mask_in_kind(m: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask (True = attend) in the form the base function takes: itself for sdpa ('bool'), 0 /
+    ``dtype``'s minimum for eager ('additive')."""
+    if kind != "additive":
+        return m
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+
 def _take(key: torch.Tensor):
     item = _handoff.item
     if item is not None and item[1] is key:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import mask_in_kind
+
 FLOOR_SHARE = 0.2
 PYRAMID_BETA = 20.0
 BUDGET_CAP = 2.0  # default physical slots per (layer, KV head), as a multiple of the budget
@@ -133,10 +135,7 @@ def head_mask(fill: torch.Tensor, kv_len: int, group: int, kind: str = "bool", d
     """
     b, h = fill.shape
     seen = torch.arange(kv_len, device=fill.device).view(1, 1, kv_len) < fill.view(b, h, 1)
-    m = seen.repeat_interleave(group, dim=1).unsqueeze(2)
-    if kind == "bool":
-        return m
-    return torch.zeros(m.shape, dtype=dtype, device=fill.device).masked_fill_(~m, torch.finfo(dtype).min)
+    return mask_in_kind(seen.repeat_interleave(group, dim=1).unsqueeze(2), kind, dtype)
 
 
 def layout(options: dict, budget: int, layers: int, fixed: int) -> tuple[list[int], int]:

@@ -42,6 +42,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -224,11 +225,7 @@ class _Step:
                 causal = (j < p) | (j - p <= i)
                 m = valid[:, None, None, :] & causal
                 m = m | (j - p == i)  # a padding query attends to itself only, so no row is empty (no NaN)
-            out = (
-                m
-                if kind == "bool"
-                else torch.zeros(m.shape, dtype=dtype, device=self.device).masked_fill_(~m, torch.finfo(dtype).min)
-            )
+            out = attn.mask_in_kind(m, kind, dtype)
         self._memo[key] = out
         return out
 
@@ -465,10 +462,7 @@ class EvictingLayer(CacheLayerMixin):
             q = step.q
             old = (self.positions[:, :, :p] >= 0).unsqueeze(2).expand(b, h, q, p)
             m = torch.cat([old, old.new_ones((b, h, q, q))], -1) & step.mask("bool", torch.bool)
-        m = m.repeat_interleave(self._q_heads // h, dim=1)
-        if kind == "bool":
-            return m
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+        return attn.mask_in_kind(m.repeat_interleave(self._q_heads // h, dim=1), kind, dtype)
 
     @torch.no_grad()
     def after_attention(self) -> None:
@@ -479,18 +473,13 @@ class EvictingLayer(CacheLayerMixin):
             return
         step = c._step
         self._awaiting_attention = False
-        t0 = time.perf_counter() if step.evict_rows else None
-        with record_function("vase.evict" if step.evict_rows else "vase.write"):
+        with c._timed(step.evict_rows, self.keys.device):
             if step.append:
                 if step.evict_rows:
                     self._compact_rows(step)
             else:
                 self._write_staged(step)
         self._staged = None
-        if t0 is not None:
-            if c.profile and self.keys.is_cuda:
-                torch.cuda.synchronize(self.keys.device)
-            c._eviction_seconds += time.perf_counter() - t0
         c._layer_done(self)
 
     # ------------------------------------------------------------------------------------- compiled decoding
@@ -523,14 +512,12 @@ class EvictingLayer(CacheLayerMixin):
         """``[B, 1, 1, capacity]`` (``[B, q_heads, 1, capacity]`` with adaptive budgets): the slots holding a token,
         the new one included; bool for sdpa, 0 / dtype-min for eager."""
         c = self.cache
-        b, h, cap = self.positions.shape
         if c.adaptive:
+            h = self.positions.shape[1]
             m = (self.positions >= 0).unsqueeze(2).repeat_interleave(self._q_heads // h, dim=1)
         else:
-            m = (c._slot_ids.view(1, cap) <= c._fill_t.view(b, 1)).view(b, 1, 1, cap)
-        if kind == "bool":
-            return m
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+            m = c._decode_slot_mask()
+        return attn.mask_in_kind(m, kind, dtype)
 
     def _static_after(self) -> None:
         """After the last evicting layer: advance the device counters (fill, position, ring pointer)."""
@@ -1008,13 +995,9 @@ class EvictingCache(Cache):
         step, self._static_step = self._static_step, None
         self._phase = "idle"
         if step.evict_rows:
-            t0 = time.perf_counter()
             for i in self._evicting:
-                with record_function("vase.evict"):
+                with self._timed(True, self._fill_t.device):
                     self.layers[i]._compact_rows(step)
-            if self.profile and self._fill_t.is_cuda:
-                torch.cuda.synchronize(self._fill_t.device)
-            self._eviction_seconds += time.perf_counter() - t0
         self._commit(step)
         for i in self._evicting:
             layer = self.layers[i]
@@ -1022,6 +1005,18 @@ class EvictingCache(Cache):
                 layer._q_next = (layer._q_next + 1) % layer.queries.shape[2]
         if step.evict_rows:
             self._fill_t.copy_(upload(self._fill, self._fill_t.device))
+
+    @contextmanager
+    def _timed(self, evicts, device: torch.device):
+        """Around a layer's write (``evicts`` falsy) or eviction: profiler label; for an eviction, its wall time added
+        to ``eviction_seconds`` (the GPU synchronized first with ``profile``)."""
+        t0 = time.perf_counter()
+        with record_function("vase.evict" if evicts else "vase.write"):
+            yield
+        if evicts:
+            if self.profile and device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self._eviction_seconds += time.perf_counter() - t0
 
     def _sync_counters(self, layer: EvictingLayer) -> None:
         """Device copies of the host counters, allocated once (their addresses never change, as CUDA graphs need);
@@ -1297,11 +1292,12 @@ class EvictingCache(Cache):
         """``[B, 1, 1, capacity]``: the slots each row holds in the planned decode step, the new token's included, built
         before the compiled step. It stands in for the mask transformers would build; vase's attention builds its own
         in the graph (per KV head with adaptive budgets, where each layer's is different)."""
+        return attn.mask_in_kind(self._decode_slot_mask(), kind, dtype)
+
+    def _decode_slot_mask(self) -> torch.Tensor:
+        """``[B, 1, 1, capacity]`` bool: the slots each row holds in the decode step, its new token's included."""
         b, cap = self._fill_t.shape[0], self._slot_ids.shape[0]
-        m = (self._slot_ids.view(1, cap) <= self._fill_t.view(b, 1)).view(b, 1, 1, cap)
-        if kind in ("bool", "padding"):
-            return m
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+        return (self._slot_ids.view(1, cap) <= self._fill_t.view(b, 1)).view(b, 1, 1, cap)
 
     @property
     def is_compileable(self) -> bool:
@@ -1366,6 +1362,12 @@ def _prepare_outside_graph(cache: EvictingCache) -> None:
     cache.prepare_decode()
 
 
+def check_compileable_policy(policy: Policy) -> None:
+    """Raise a clear ValueError for a policy compiled decoding cannot take: the selection policy ``quest``."""
+    if policy.sparse is not None:
+        raise ValueError(f"compiled decoding does not support the selection policy {policy.name!r}: use another one")
+
+
 def check_compileable(policy: Policy, plan, attn_impl: str, max_cache_len: int | None) -> None:
     """The rules of compiled decoding (``EvictingCache(..., compileable=True)``), as clear errors.
 
@@ -1384,8 +1386,7 @@ def check_compileable(policy: Policy, plan, attn_impl: str, max_cache_len: int |
             "compiled decoding supports models whose layers are all full attention; this hybrid model's "
             "sliding-window or linear layers are kept by transformers' dynamic layers: use compileable=False"
         )
-    if policy.sparse is not None:
-        raise ValueError(f"compiled decoding does not support the selection policy {policy.name!r}: use another one")
+    check_compileable_policy(policy)
     if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len!r}")
 

@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheStats, EvictingCache, _is_int, check_published, check_sizes, published_budget, recent_window
+from .cache import (
+    CacheStats,
+    EvictingCache,
+    _is_int,
+    check_compileable_policy,
+    check_published,
+    check_sizes,
+    published_budget,
+    recent_window,
+)
 from .policies import make_policy
 
 
@@ -75,8 +84,8 @@ def check_options(
         check_published(built, DEFAULT_BUDGET if budget is None else budget, buffer, window or buffer)
     if built.sparse is not None:  # quest: the budget must cover the pages it always attends
         built.sparse.check(size, sinks)
-        if compile:
-            raise ValueError(f"compiled decoding does not support the selection policy {built.name!r}: use another one")
+    if compile:
+        check_compileable_policy(built)
 
 
 def compile_config(device: torch.device | str, backend: str = "inductor"):

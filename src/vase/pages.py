@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import mask_in_kind
+
 FLASH = ("flash_attention_2", "flash_attention_3")
 
 
@@ -242,6 +244,4 @@ class PageSelection:
             j = torch.arange(kv_len, device=dev).view(1, 1, kv_len)
             i = torch.arange(q, device=dev).view(1, q, 1)
             m |= ((j - step.p_old == i) & ~step.new_valid.view(b, q, 1)).unsqueeze(1)
-        if kind == "bool":
-            return m
-        return torch.zeros(m.shape, dtype=dtype, device=dev).masked_fill_(~m, torch.finfo(dtype).min)
+        return mask_in_kind(m, kind, dtype)
