@@ -171,6 +171,48 @@ def test_fidelity_exact_when_budget_covers_everything():
     assert small["kl_mean"] > 0
 
 
+def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_path, monkeypatch):
+    """Task sources (the model's own reasoning, about a minute each on the embedded model) are written as each is
+    generated, and a folder of 2 run with 3 prompts generates only the third, keeping the first two as they were."""
+    from vase.fidelity import SOURCES_FILE, FidelityConfig, build_sources, run_fidelity
+
+    lm = tiny_lm()
+    calls = []
+    real = vase.generation.generate
+
+    def counting(*args, **kw):
+        calls.append(args[2])
+        if boom and len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    boom = True
+    monkeypatch.setattr(vase.generation, "generate", counting)
+    cfg = FidelityConfig(model="tiny", source=str(task_file), policies=["vase"], prompts=2, tokens=30, ratios=[2.0])
+    path = tmp_path / SOURCES_FILE
+    with pytest.raises(KeyboardInterrupt):
+        build_sources(cfg, lm, progress=False, path=path)
+    first = read_records(path)
+    assert [s["id"] for s in first] == ["mini:q0"] and len(first[0]["continuation"]) == 30
+
+    boom = False
+    out = tmp_path / "run"
+    out.mkdir()
+    path.rename(out / SOURCES_FILE)
+    calls.clear()
+    run_fidelity(cfg, out, progress=False, lm=lm)
+    assert len(calls) == 1 and "1 plus 1" in calls[0]  # only the missing second source
+    two = read_records(out / SOURCES_FILE)
+    assert two[0] == first[0] and [s["id"] for s in two] == ["mini:q0", "mini:q1"]
+
+    cfg3 = cfg.model_copy(update={"prompts": 3})
+    calls.clear()
+    three = build_sources(cfg3, lm, progress=False, path=out / SOURCES_FILE)
+    assert len(calls) == 1 and [s["id"] for s in three] == ["mini:q0", "mini:q1", "mini:q2"]
+    assert three[:2] == two and read_records(out / SOURCES_FILE) == three
+    assert not (out / (SOURCES_FILE + ".tmp")).exists()
+
+
 def test_chunked_replay_equals_token_by_token_decode():
     """Chunks ending at eviction points reproduce decoding one token at a time."""
     import vase

@@ -121,33 +121,47 @@ def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket:
     }
 
 
-def build_sources(config: FidelityConfig, lm, progress: bool = True) -> list[dict]:
-    """Prompts and continuations: ``{"id", "prompt": [ids], "continuation": [ids]}``."""
+def build_sources(config: FidelityConfig, lm, progress: bool = True, path: Path | None = None) -> list[dict]:
+    """The run's ``config.prompts`` sources: ``{"id", "prompt": [ids], "continuation": [ids]}``.
+
+    Text windows are cut afresh (their spacing depends on ``prompts``). Task sources are the model's own greedy
+    reasoning with the full cache, ``config.tokens`` tokens each (about a minute per source on a CPU): with ``path``,
+    the sources already in that JSONL file are reused by id and the file is rewritten (atomically) after each new
+    source, so an interrupted run keeps what it generated and ``--prompts 20`` on a folder of 10 generates 10.
+
+    Raises:
+        ValueError: a text file that is missing or shorter than ``prefix_tokens + tokens``; an unknown task.
+    """
     if config.source.startswith("text:"):
-        path = Path(config.source[5:]).expanduser()
-        if not path.exists():
-            raise ValueError(f"text file not found: {path}")
-        ids = lm.tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        file = Path(config.source[5:]).expanduser()
+        if not file.exists():
+            raise ValueError(f"text file not found: {file}")
+        ids = lm.tokenizer(file.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         span = config.prefix_tokens + config.tokens
         if len(ids) < span:
-            raise ValueError(f"{path} has {len(ids)} tokens, fewer than prefix + tokens = {span}")
+            raise ValueError(f"{file} has {len(ids)} tokens, fewer than prefix + tokens = {span}")
         step = max((len(ids) - span) // max(config.prompts, 1), 1)
-        return [
+        out = [
             {
-                "id": f"{path.name}@{i * step}",
+                "id": f"{file.name}@{i * step}",
                 "prompt": ids[i * step : i * step + config.prefix_tokens],
                 "continuation": ids[i * step + config.prefix_tokens : i * step + span],
             }
             for i in range(config.prompts)
         ]
+        if path is not None:
+            write_sources(path, out)
+        return out
     from tqdm.auto import tqdm
 
     from .data import load_problems
-    from .generation import generate
+    from .generation import encode_prompts, generate
 
+    have = {s["id"]: s for s in read_records(path)} if path is not None else {}
     problems = load_problems(config.source, require_answer=False)[: config.prompts]
-    out = []
-    for p in tqdm(problems, desc="reference reasoning (full cache)", disable=not progress, dynamic_ncols=True):
+    out = [have[f"{p.task}:{p.id}"] for p in problems if f"{p.task}:{p.id}" in have]
+    todo = [p for p in problems if f"{p.task}:{p.id}" not in have]
+    for p in tqdm(todo, desc="reference reasoning (full cache)", disable=not progress, dynamic_ncols=True):
         res = generate(
             lm.model,
             lm.tokenizer,
@@ -158,11 +172,26 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True) -> list[dic
             min_new_tokens=config.tokens,
             seed=config.seed,
         )
-        from .generation import encode_prompts
-
         prompt = encode_prompts(lm.tokenizer, [p.prompt()])["input_ids"][0].tolist()
         out.append({"id": f"{p.task}:{p.id}", "prompt": prompt, "continuation": res.completions[0].token_ids})
+        if path is not None:
+            write_sources(path, out)
+    order = {f"{p.task}:{p.id}": i for i, p in enumerate(problems)}
+    out.sort(key=lambda s: order[s["id"]])
+    if path is not None:
+        write_sources(path, out)
     return out
+
+
+def write_sources(path: Path, sources: list[dict]) -> None:
+    """Write ``sources`` to the JSONL file ``path`` through a temporary file and a rename (never half-written)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for s in sources:
+            fh.write(json.dumps(s) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
@@ -184,12 +213,9 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     prepare_dir(out, config)
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
     src_path = out / SOURCES_FILE
-    sources = read_records(src_path)
+    sources = read_records(src_path)[: config.prompts]
     if len(sources) < config.prompts:
-        sources = build_sources(config, lm, progress)
-        with src_path.open("w", encoding="utf-8") as fh:
-            for s in sources:
-                fh.write(json.dumps(s) + "\n")
+        sources = build_sources(config, lm, progress, path=src_path)
     path = out / RECORDS
     done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
     plant = bool(config.plant_layers) and config.plant_tokens > 0
