@@ -3,9 +3,11 @@
 For each policy spec, in one process: a prompt of budget + buffer + 1 tokens (compressed at prefill, so the cache
 is full from the start), then ``--steps`` greedy decode steps; the cache times its evictions itself
 (``stats().eviction_seconds``: scoring, guard, selection and compaction, all layers). Prints, per spec, the
-milliseconds per eviction and the share of the decode wall time. ``vase bench --profile`` gives the same total split
-by component, but keeps every profiler event of the run in memory (8 GB for one policy at budget 1024 here), which
-this measurement avoids.
+milliseconds per eviction and the share of the decode wall time. With ``--repeats N`` the specs are measured in N
+interleaved rounds (spec 1, spec 2, ..., spec 1, spec 2, ...) so that a drift of the machine's speed touches
+every spec alike, and each column is the median over the rounds (the share's range over the rounds beside it).
+``vase bench --profile`` gives the same total split by component, but keeps every profiler event of the run in
+memory (8 GB for one policy at budget 1024 here), which this measurement avoids.
 
 Usage::
 
@@ -16,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -48,17 +51,32 @@ def main() -> None:
     ap.add_argument("--buffer", type=int, default=64)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the specs; medians reported")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     lm = load_model(args.model)
-    print(f"budget {args.budget}, buffer {args.buffer}, {args.steps} decode steps after a full prefill\n")
-    print("| policy | evictions | ms per eviction (all layers) | decode tok/s | eviction share of decode |")
+    specs = args.policies.split(",")
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+    for rnd in range(args.repeats):
+        for spec in specs:
+            runs[spec].append(measure(lm, spec, args.budget, args.buffer, args.steps))
+            if args.repeats > 1:
+                r = runs[spec][-1]
+                print(f"round {rnd + 1}/{args.repeats} {spec}: {100 * r['eviction_s'] / r['wall_s']:.2f}%", flush=True)
+    print(f"\nbudget {args.budget}, buffer {args.buffer}, {args.steps} decode steps after a full prefill", end="")
+    print(f", median of {args.repeats} interleaved rounds\n" if args.repeats > 1 else "\n")
+    share = "eviction share of decode" + (" (range)" if args.repeats > 1 else "")
+    print(f"| policy | evictions | ms per eviction (all layers) | decode tok/s | {share} |")
     print("|---|---|---|---|---|")
-    for spec in args.policies.split(","):
-        r = measure(lm, spec, args.budget, args.buffer, args.steps)
-        per = 1e3 * r["eviction_s"] / max(r["evictions"], 1)
+    for spec in specs:
+        rs = runs[spec]
+        per = statistics.median(1e3 * r["eviction_s"] / max(r["evictions"], 1) for r in rs)
+        speed = statistics.median(r["steps"] / r["wall_s"] for r in rs)
+        shares = [100 * r["eviction_s"] / r["wall_s"] for r in rs]
+        spread = f" ({min(shares):.2f}-{max(shares):.2f})" if len(rs) > 1 else ""
         print(
-            f"| `{spec}` | {r['evictions']} | {per:.1f} | {r['steps'] / r['wall_s']:.2f} | "
-            f"{100 * r['eviction_s'] / r['wall_s']:.2f}% |",
+            f"| `{spec}` | {rs[0]['evictions']} | {per:.1f} | {speed:.2f} | {statistics.median(shares):.2f}%{spread} |",
             flush=True,
         )
 
