@@ -41,6 +41,13 @@ def _size(s: float) -> str:
     return f"{s:g}x" if s > 0 else f"budget {int(-s)}"
 
 
+def kl_text(x: float, signed: bool = False) -> str:
+    """A KL (nats) for the tables: 4 decimals, or 2 significant digits below 1e-3 (where 2x differences live)."""
+    if x == 0 or abs(x) >= 1e-3:
+        return f"{x:+.4f}" if signed else f"{x:.4f}"
+    return f"{x:+.1e}" if signed else f"{x:.1e}"
+
+
 def paired_diff(mine: dict[str, dict], ref: dict[str, dict]) -> tuple[float, float, int] | None:
     """Mean and standard error of ``mine - ref`` KL over the sources both have, and their count (None below 2)."""
     common = sorted(set(mine) & set(ref))
@@ -60,7 +67,7 @@ def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list
         cells = []
         for s in sizes:
             diff = paired_diff(data.get((policy, s), {}), data.get((other, s), {}))
-            cells.append("-" if diff is None else f"{diff[0]:+.4f} ± {diff[1]:.4f} (n={diff[2]})")
+            cells.append("-" if diff is None else f"{kl_text(diff[0], True)} ± {kl_text(diff[1])} (n={diff[2]})")
         lines.append(f"| `{other}` | " + " | ".join(cells) + " |")
     return lines
 
@@ -91,7 +98,7 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
             kl = statistics.mean(r["kl_mean"] for r in recs.values())
             top1 = 100 * statistics.mean(r["top1"] for r in recs.values())
             mark = " (best baseline)" if best.get(s) == p else ""
-            cells.append(f"{kl:.4f}, {top1:.1f}{mark}")
+            cells.append(f"{kl_text(kl)}, {top1:.1f}{mark}")
         lines.append(f"| `{p}` | " + " | ".join(cells) + " |")
     lines += ["", f"Paired difference to the best baseline at each ratio ({label}; negative = lower KL):", ""]
     lines += ["| policy | " + " | ".join(f"{_size(s)} vs `{best.get(s, '-')}`" for s in sizes) + " | at or below |"]
@@ -106,7 +113,7 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
             if diff is None:
                 cells.append("-")
                 continue
-            cells.append(f"{diff[0]:+.4f} ± {diff[1]:.4f}")
+            cells.append(f"{kl_text(diff[0], True)} ± {kl_text(diff[1])}")
             ok[s] = diff[0] <= 0
         goal[p] = ok
         verdict = "yes" if ok and all(ok.values()) and len(ok) == len(sizes) else "no"
