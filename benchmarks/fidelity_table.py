@@ -9,9 +9,10 @@ Usage::
 Each argument is ``label=dir[,dir...]``: folders written by ``vase fidelity --ratios ...`` on the same sources (copy
 ``sources.jsonl`` into a new folder to add policies to an earlier sweep). Per label and ratio it prints the mean
 KL(full || policy) over sources and top-1 agreement; then, for each policy that is not a baseline, the paired
-difference to the best baseline at that ratio (mean over the same sources +- its standard error) and whether its mean
-is at or below the best baseline's everywhere. Only the sources that every policy and ratio of a label has are used
-(an interrupted sweep counts up to its last complete source). Prints markdown.
+difference to the best baseline at that ratio (mean over the same sources +- its standard error), whether its mean
+is at or below the best baseline's everywhere, and whether it is everywhere below or less than one standard error
+above (a difference the sources cannot tell from zero). Only the sources that every policy and ratio of a label has
+are used (an interrupted sweep counts up to its last complete source). Prints markdown.
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
             cells.append(f"{kl_text(kl)}, {top1:.1f}{mark}")
         lines.append(f"| `{p}` | " + " | ".join(cells) + " |")
     lines += ["", f"Paired difference to the best baseline at each ratio ({label}; negative = lower KL):", ""]
-    lines += ["| policy | " + " | ".join(f"{_size(s)} vs `{best.get(s, '-')}`" for s in sizes) + " | at or below |"]
-    lines += ["|---|" + "---|" * (len(sizes) + 1)]
-    goal: dict[str, dict[float, bool]] = {}
+    head = " | ".join(f"{_size(s)} vs `{best.get(s, '-')}`" for s in sizes)
+    lines += [f"| policy | {head} | at or below | below or within 1 s.e. |", "|---|" + "---|" * (len(sizes) + 2)]
+    goal: dict[str, dict[float, tuple[bool, bool]]] = {}
     for p in policies:
         if p in baselines:
             continue
@@ -114,10 +115,12 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
                 cells.append("-")
                 continue
             cells.append(f"{kl_text(diff[0], True)} ± {kl_text(diff[1])}")
-            ok[s] = diff[0] <= 0
+            ok[s] = (diff[0] <= 0, diff[0] <= diff[1])
         goal[p] = ok
-        verdict = "yes" if ok and all(ok.values()) and len(ok) == len(sizes) else "no"
-        lines.append(f"| `{p}` | " + " | ".join(cells) + f" | {verdict} |")
+        full = len(ok) == len(sizes)
+        strict = "yes" if full and all(a for a, _ in ok.values()) else "no"
+        loose = "yes" if full and all(b for _, b in ok.values()) else "no"
+        lines.append(f"| `{p}` | " + " | ".join(cells) + f" | {strict} | {loose} |")
     return lines, goal
 
 
@@ -129,7 +132,7 @@ def main() -> None:
     ap.add_argument("--minus", default="", help="comma-separated policy specs for --against")
     args = ap.parse_args()
     baselines = [b for b in args.baselines.split(",") if b]
-    overall: dict[str, list[bool]] = {}
+    overall: dict[str, list[tuple[bool, bool]]] = {}
     for g in args.groups:
         label, eq, dirs = g.partition("=")
         if not eq:
@@ -140,10 +143,11 @@ def main() -> None:
             others = [o for o in args.minus.split(",") if o]
             print("\n".join(paired(label, [Path(d) for d in dirs.split(",") if d], args.against, others)) + "\n")
         for p, ok in goal.items():
-            overall.setdefault(p, []).extend(ok.values() if ok else [False])
-    meets = sorted(p for p, oks in overall.items() if oks and all(oks))
-    listed = ", ".join(f"`{p}`" for p in meets) or "none"
-    print(f"At or below the best baseline at every ratio of every group: {listed}")
+            overall.setdefault(p, []).extend(ok.values() if ok else [(False, False)])
+    for i, what in enumerate(("At or below", "Below or within one standard error of")):
+        meets = sorted(p for p, oks in overall.items() if oks and all(o[i] for o in oks))
+        listed = ", ".join(f"`{p}`" for p in meets) or "none"
+        print(f"{what} the best baseline at every ratio of every group: {listed}")
 
 
 if __name__ == "__main__":
