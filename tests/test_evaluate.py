@@ -212,6 +212,13 @@ def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_p
     assert three[:2] == two and read_records(out / SOURCES_FILE) == three
     assert not (out / (SOURCES_FILE + ".tmp")).exists()
 
+    longer = cfg3.model_copy(update={"tokens": 31})  # traces of another length are not reused
+    calls.clear()
+    assert [len(s["continuation"]) for s in build_sources(longer, lm, progress=False, path=out / SOURCES_FILE)] == [
+        31
+    ] * 3
+    assert len(calls) == 3
+
 
 def test_chunked_replay_equals_token_by_token_decode():
     """Chunks ending at eviction points reproduce decoding one token at a time."""

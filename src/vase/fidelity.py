@@ -126,8 +126,9 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True, path: Path 
 
     Text windows are cut afresh (their spacing depends on ``prompts``). Task sources are the model's own greedy
     reasoning with the full cache, ``config.tokens`` tokens each (about a minute per source on a CPU): with ``path``,
-    the sources already in that JSONL file are reused by id and the file is rewritten (atomically) after each new
-    source, so an interrupted run keeps what it generated and ``--prompts 20`` on a folder of 10 generates 10.
+    the sources of that length already in that JSONL file are reused by id and the file is rewritten (atomically)
+    after each new source, so an interrupted run keeps what it generated and ``--prompts 20`` on a folder of 10
+    generates 10.
 
     Raises:
         ValueError: a text file that is missing or shorter than ``prefix_tokens + tokens``; an unknown task.
@@ -157,7 +158,8 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True, path: Path 
     from .data import load_problems
     from .generation import encode_prompts, generate
 
-    have = {s["id"]: s for s in read_records(path)} if path is not None else {}
+    # reuse only traces of this run's length (a sources file copied from a run with other --tokens is regenerated)
+    have = {s["id"]: s for s in read_records(path) if len(s["continuation"]) == config.tokens} if path else {}
     problems = load_problems(config.source, require_answer=False)[: config.prompts]
     out = [have[f"{p.task}:{p.id}"] for p in problems if f"{p.task}:{p.id}" in have]
     todo = [p for p in problems if f"{p.task}:{p.id}" not in have]
