@@ -242,21 +242,11 @@ def test_compileable_errors():
 
 
 def test_compileable_refuses_hybrid_models():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_sliding_window=True,
-        sliding_window=32,
-        max_window_layers=1,
-        layer_types=["full_attention", "sliding_attention"],
-    )
+    from .test_hybrid import hybrid_config
+
+    config = hybrid_config("qwen3_sliding")  # full, full, sliding, sliding
     model = Qwen3ForCausalLM(config).eval()
     with pytest.raises(ValueError, match="all full attention"):
         vase.EvictingCache(model, budget=96, buffer=16, compileable=True)
