@@ -220,6 +220,47 @@ def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_p
     assert len(calls) == 3
 
 
+def test_fidelity_progress_counts_only_this_runs_replays(task_file, tmp_path, monkeypatch):
+    """A folder whose records hold other policies (copied in to reuse them) shows this run's replays only: total =
+    sources x sizes x policies, started at those already recorded (it used to count every record of the file)."""
+    import tqdm.auto
+
+    from vase.fidelity import FidelityConfig, run_fidelity
+
+    bars = []
+
+    class Bar:
+        def __init__(self, *args, desc="", total=None, initial=0, **kw):
+            self.items, self.desc, self.total, self.initial, self.n = args[:1], desc, total, initial, initial
+            bars.append(self)
+
+        def __iter__(self):  # the reference-trace bar wraps its list
+            return iter(self.items[0])
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    lm = tiny_lm()
+    cfg = FidelityConfig(
+        model="tiny", source=str(task_file), policies=["vase", "h2o"], prompts=2, tokens=24, ratios=[2.0, 4.0], buffer=8
+    )
+    out = tmp_path / "run"
+    run_fidelity(cfg, out, progress=True, lm=lm)
+    more = tmp_path / "more"  # a new folder starting from the first one's traces and records (RESULTS.md does so)
+    more.mkdir()
+    for name in ("sources.jsonl", "fidelity.jsonl"):
+        (more / name).write_bytes((out / name).read_bytes())
+    run_fidelity(cfg.model_copy(update={"policies": ["h2o", "snapkv"]}), more, progress=True, lm=lm)
+    runs = [(b.total, b.initial, b.n) for b in bars if b.desc == "fidelity"]
+    assert runs == [(8, 0, 8), (8, 4, 8)]  # the second: h2o's 4 replays recorded, snapkv's 4 to run
+    recs = read_records(more / "fidelity.jsonl")
+    assert len(recs) == 12 and sum(r["policy"] == "snapkv" for r in recs) == 4
+
+
 def test_chunked_replay_equals_token_by_token_decode():
     """Chunks ending at eviction points reproduce decoding one token at a time."""
     import vase

@@ -196,6 +196,17 @@ def write_sources(path: Path, sources: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float) -> int:
+    """The budget (tokens per KV head) of one replay of ``source``: ``value`` itself for ``kind='budget'``, else the
+    source's length (prompt + continuation, tokens) over the ratio ``value``, rounded up, at least ``buffer + 5``;
+    with a published-method policy in the run, rounded to a multiple of the buffer for every policy alike."""
+    if kind == "budget":
+        return int(value)
+    length = len(source["prompt"]) + len(source["continuation"])
+    budget = max(math.ceil(length / value), config.buffer + 5)
+    return published_budget(budget, config.buffer) if config.has_published else budget
+
+
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
     """Run (or resume) a fidelity sweep into ``out/fidelity.jsonl``; returns that path.
 
@@ -222,62 +233,56 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
     plant = bool(config.plant_layers) and config.plant_tokens > 0
     sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
-    total = len(sources) * len(sizes) * len(config.policies)
-    bar = tqdm(total=total, initial=len(done), desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
+    plan = [(s, kind, value, replay_budget(config, s, kind, value)) for s in sources for kind, value in sizes]
+    todo_of = [[p for p in config.policies if (s["id"], p, budget) not in done] for s, _, _, budget in plan]
+    total = len(plan) * len(config.policies)  # this run's replays: records of other policies in the file not counted
+    initial = total - sum(map(len, todo_of))
+    bar = tqdm(total=total, initial=initial, desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
     refs: dict[str, torch.Tensor] = {}
     with path.open("a", encoding="utf-8") as fh:
-        for s in sources:
+        for (s, kind, value, budget), todo in zip(plan, todo_of):
+            if not todo:
+                continue
             prompt, cont = torch.tensor(s["prompt"]), torch.tensor(s["continuation"])
             length = prompt.numel() + cont.numel()
-            for kind, value in sizes:
-                budget = int(value) if kind == "budget" else max(math.ceil(length / value), config.buffer + 5)
-                if kind == "ratio" and config.has_published:  # multiples of the buffer, for every policy alike
-                    budget = published_budget(budget, config.buffer)
-                todo = [p for p in config.policies if (s["id"], p, budget) not in done]
-                if not todo:
-                    continue
-                positions = planted_positions(prompt.numel(), cont.numel(), config.plant_tokens) if plant else []
-                hooks = (
-                    PlantedValues(config.plant_layers, positions, config.plant_scale).attach(lm.model)
-                    if plant
-                    else None
-                )
-                try:
-                    if s["id"] not in refs:  # the full cache does not depend on the budget: one replay per source
-                        refs = {s["id"]: replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)}
-                    ref = refs[s["id"]]
-                    results = []
-                    for policy in todo:
-                        if policy == "full":
-                            results.append((policy, ref, {}))
-                            continue
-                        pol, cache = replay(
-                            lm.model, prompt, cont, policy, budget, config.buffer, config.seed, record=True
-                        )
-                        extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
-                        extra.update(guard_counts(cache))
-                        extra.update(adaptive_slots(cache))
-                        results.append((policy, pol, extra))
-                        del cache
-                finally:
-                    if hooks is not None:
-                        hooks.detach()
-                for policy, pol, extra in results:
-                    rec = {
-                        "source": s["id"],
-                        "policy": policy,
-                        "budget": budget,
-                        "ratio": value if kind == "ratio" else None,
-                        "compression": length / budget,
-                        "prompt_tokens": prompt.numel(),
-                        "tokens": cont.numel(),
-                        **compare(ref, pol, cont, config.bucket),
-                        **extra,
-                    }
-                    fh.write(json.dumps(rec) + "\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                    bar.update(1)
+            positions = planted_positions(prompt.numel(), cont.numel(), config.plant_tokens) if plant else []
+            hooks = (
+                PlantedValues(config.plant_layers, positions, config.plant_scale).attach(lm.model) if plant else None
+            )
+            try:
+                if s["id"] not in refs:  # the full cache does not depend on the budget: one replay per source
+                    refs = {s["id"]: replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)}
+                ref = refs[s["id"]]
+                results = []
+                for policy in todo:
+                    if policy == "full":
+                        results.append((policy, ref, {}))
+                        continue
+                    pol, cache = replay(lm.model, prompt, cont, policy, budget, config.buffer, config.seed, record=True)
+                    extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
+                    extra.update(guard_counts(cache))
+                    extra.update(adaptive_slots(cache))
+                    results.append((policy, pol, extra))
+                    del cache
+            finally:
+                if hooks is not None:
+                    hooks.detach()
+            for policy, pol, extra in results:
+                rec = {
+                    "source": s["id"],
+                    "policy": policy,
+                    "budget": budget,
+                    "ratio": value if kind == "ratio" else None,
+                    "compression": length / budget,
+                    "prompt_tokens": prompt.numel(),
+                    "tokens": cont.numel(),
+                    **compare(ref, pol, cont, config.bucket),
+                    **extra,
+                }
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+                bar.update(1)
     bar.close()
     return path
 
