@@ -386,6 +386,16 @@ def test_compression_ratio_helper():
         budget_for_ratio(1.0, 4096)
 
 
+def test_ratio_budget_is_shared_by_generate_eval_and_fidelity():
+    from vase.cache import ratio_budget
+
+    assert ratio_budget(4096, 4.0, 64) == 1024
+    assert ratio_budget(1089, 8.0, 64) == 137  # ceil(1089 / 8)
+    assert ratio_budget(100, 8.0, 64) == 69 and ratio_budget(100, 8.0, 16, sinks=2) == 19  # sinks + buffer + 1
+    assert ratio_budget(1000, 4.0, 64, published=True) == 256  # 250 to the nearest multiple of the buffer
+    assert ratio_budget(100, 8.0, 64, published=True) == 128  # at least two buffers
+
+
 def test_policy_specs_are_ablations():
     """'name:key=value' specs build the paper's ablations as configurations of the same parts."""
     from vase.policies import parse_policy_spec

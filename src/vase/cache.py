@@ -38,6 +38,7 @@ allocated for ``slots + buffer``: ``stats().bytes_held`` is that, ``stats().byte
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import weakref
@@ -1444,6 +1445,15 @@ def published_budget(budget: int, buffer: int) -> int:
     """``budget`` rounded to the nearest multiple of ``buffer`` (at least two buffers): the budgets the published
     method can take, for budgets derived from a compression ratio."""
     return max(round(budget / buffer), 2) * buffer
+
+
+def ratio_budget(total_tokens: float, ratio: float, buffer: int, sinks: int = 4, published: bool = False) -> int:
+    """The budget (tokens per KV head) that compresses ``total_tokens`` (prompt + new tokens) by ``ratio``:
+    ``ceil(total / ratio)``, at least ``sinks + buffer + 1`` (room for one candidate); with ``published`` (a run
+    holding the published method, ``preset='paper'``) rounded by :func:`published_budget`, for every policy of the
+    run alike. Used by ``vase generate --ratio``, the evaluation sweeps and the fidelity replays."""
+    budget = max(math.ceil(total_tokens / ratio), sinks + buffer + 1)
+    return published_budget(budget, buffer) if published else budget
 
 
 def check_published(policy: Policy, budget: int, buffer: int, window: int) -> None:

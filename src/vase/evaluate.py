@@ -340,7 +340,7 @@ def run_sweep(
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
     """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
     rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
-    from .cache import published_budget
+    from .cache import ratio_budget
 
     out = {}
     for task, plist in problems.items():
@@ -348,11 +348,8 @@ def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> d
             continue
         lengths = [int(encode_prompts(tokenizer, [p.prompt()])["input_ids"].shape[1]) for p in plist[:50]]
         total = statistics.median(lengths) + config.max_new_tokens
-        for r in config.ratios:
-            budget = max(math.ceil(total / r), config.buffer + 5)
-            if config.has_published:  # multiples of the buffer for the published method; the same for every policy
-                budget = published_budget(budget, config.buffer)
-            out[(task, r)] = budget
+        for r in config.ratios:  # multiples of the buffer with the published method; the same for every policy
+            out[(task, r)] = ratio_budget(total, r, config.buffer, published=config.has_published)
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from .cache import published_budget
+from .cache import ratio_budget
 from .evaluate import RunConfig, prepare_dir, read_records
 from .outliers import PlantedValues, kept_share
 
@@ -203,8 +203,7 @@ def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float)
     if kind == "budget":
         return int(value)
     length = len(source["prompt"]) + len(source["continuation"])
-    budget = max(math.ceil(length / value), config.buffer + 5)
-    return published_budget(budget, config.buffer) if config.has_published else budget
+    return ratio_budget(length, value, config.buffer, published=config.has_published)
 
 
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:

@@ -17,7 +17,7 @@ from .cache import (
     check_compileable_policy,
     check_published,
     check_sizes,
-    published_budget,
+    ratio_budget,
     recent_window,
 )
 from .policies import make_policy
@@ -279,10 +279,8 @@ def generate(
         )
         max_new_tokens = context - prompt_len
     if compression_ratio is not None:
-        budget = budget_for_ratio(compression_ratio, prompt_len + max_new_tokens)
-        budget = max(budget, sinks + buffer + 1)
-        if make_policy(policy, **policy_options).published:  # the published method takes multiples of the buffer
-            budget = published_budget(budget, buffer)
+        published = make_policy(policy, **policy_options).published  # the published method: multiples of the buffer
+        budget = ratio_budget(prompt_len + max_new_tokens, compression_ratio, buffer, sinks, published)
     elif budget is None:
         budget = DEFAULT_BUDGET
     batch = len(prompts)
