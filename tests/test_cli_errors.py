@@ -200,3 +200,13 @@ def test_fidelity_planting_needs_layers_and_tokens(no_loading, tmp_path):
     for extra in (["--plant-layers", "4"], ["--plant-tokens", "3"]):
         msg = _error(["fidelity", "--out", str(tmp_path / "f"), *extra], no_loading)
         assert "planting value outliers needs both --plant-layers and --plant-tokens (> 0)" in msg
+
+
+def test_command_help_keeps_sentences_whole():
+    """typer keeps the line breaks of a docstring's later paragraphs; the help joins them, so a sentence wrapped in
+    the source (vase demo, vase fidelity) is not shown broken."""
+    runner = CliRunner()
+    for info in app.registered_commands:
+        assert "\n" not in info.help.replace("\n\n", ""), info.callback.__name__
+    out = runner.invoke(app, ["fidelity", "--help"], env={"COLUMNS": "300"}).output
+    assert "planted (the same in the reference and the policies) and the records say" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect as _inspect
 import os
 import sys
 from pathlib import Path
@@ -569,6 +570,18 @@ def _write_results(out: Path, name: str, res, markdown: str, lm) -> None:
     (out / f"{name.upper()}.md").write_text(markdown)
     typer.echo(markdown)
     typer.echo(f"[vase] written {out / f'{name}.json'} and {out / f'{name.upper()}.md'}")
+
+
+def _help_paragraphs(doc: str) -> str:
+    """A command's docstring as ``--help`` text: its paragraphs with their lines joined (typer keeps the line breaks
+    of the paragraphs after the first, so a wrapped sentence would show broken in the help)."""
+    paras = _inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paras)
+
+
+for _info in app.registered_commands:
+    if _info.help is None and _info.callback is not None and _info.callback.__doc__:
+        _info.help = _help_paragraphs(_info.callback.__doc__)
 
 
 def main():  # pragma: no cover - console entry point
