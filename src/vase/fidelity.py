@@ -197,9 +197,9 @@ def write_sources(path: Path, sources: list[dict]) -> None:
 
 
 def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float) -> int:
-    """The budget (tokens per KV head) of one replay of ``source``: ``value`` itself for ``kind='budget'``, else the
-    source's length (prompt + continuation, tokens) over the ratio ``value``, rounded up, at least ``buffer + 5``;
-    with a published-method policy in the run, rounded to a multiple of the buffer for every policy alike."""
+    """The budget (tokens per KV head) of one replay of ``source``: ``value`` itself for ``kind='budget'``, else
+    :func:`vase.cache.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
+    (rounded to the buffer for every policy alike when the run holds the published method)."""
     if kind == "budget":
         return int(value)
     length = len(source["prompt"]) + len(source["continuation"])
