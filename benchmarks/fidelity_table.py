@@ -49,13 +49,14 @@ def kl_text(x: float, signed: bool = False) -> str:
     return f"{x:+.1e}" if signed else f"{x:.1e}"
 
 
-def paired_diff(mine: dict[str, dict], ref: dict[str, dict]) -> tuple[float, float, int] | None:
-    """Mean and standard error of ``mine - ref`` KL over the sources both have, and their count (None below 2)."""
+def paired_diff(mine: dict[str, dict], ref: dict[str, dict]) -> tuple[float, float, int, int] | None:
+    """Mean and standard error of ``mine - ref`` KL over the sources both have, their count, and on how many of
+    them ``mine`` is lower (None below 2 sources)."""
     common = sorted(set(mine) & set(ref))
     if len(common) < 2:
         return None
     d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
-    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)
+    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d), sum(x < 0 for x in d)
 
 
 def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list[str]:
@@ -68,7 +69,11 @@ def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list
         cells = []
         for s in sizes:
             diff = paired_diff(data.get((policy, s), {}), data.get((other, s), {}))
-            cells.append("-" if diff is None else f"{kl_text(diff[0], True)} ± {kl_text(diff[1])} (n={diff[2]})")
+            cells.append(
+                "-"
+                if diff is None
+                else f"{kl_text(diff[0], True)} ± {kl_text(diff[1])} (lower on {diff[3]} of {diff[2]})"
+            )
         lines.append(f"| `{other}` | " + " | ".join(cells) + " |")
     return lines
 
