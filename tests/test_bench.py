@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vase.bench import (
+from vase.harness.bench import (
     bench_markdown,
     compiled_markdown,
     compiled_speed,

@@ -16,8 +16,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import vase
-from vase.budgets import check_head_budgets_supported, head_counts, head_mask, layout, pyramid_budgets
-from vase.selection import TopK, ValueGuard, select, structural_masks
+from vase.core.budgets import check_head_budgets_supported, head_counts, head_mask, layout, pyramid_budgets
+from vase.core.selection import TopK, ValueGuard, select, structural_masks
 
 from .conftest import random_ids, tiny_model
 from .test_ragged import check_ragged_equals_alone
@@ -378,7 +378,7 @@ def test_scorers_skip_dead_slots(policy):
     """Scores with per-head validity ``[b, H, S]`` (dead slots inside each head's layout) equal, on each head's live
     slots, the scores of that head alone with its live slots packed: dead slots neither attract softmax mass nor
     pool into their neighbours."""
-    from vase.scoring import EvictionContext
+    from vase.core.scoring import EvictionContext
 
     g = torch.Generator().manual_seed(1)
     h, group, s, w, d = 2, 2, 14, 4, 8
@@ -470,7 +470,7 @@ def test_hybrid_models_with_adaptive_budgets(fam):
 def test_fidelity_replay_with_adaptive_budgets_reports_its_memory():
     """Teacher-forced replay (chunks ending where the cache evicts) runs with adaptive budgets, equals token-by-token
     decoding, and its record says the slots and the memory compression the cap really gives."""
-    from vase.fidelity import adaptive_slots, replay
+    from vase.harness.fidelity import adaptive_slots, replay
 
     model = tiny_model("llama", "sdpa", layers=3)
     prompt, cont = random_ids(30, seed=8)[0], random_ids(60, seed=9)[0]

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, Qwen3Config
 
 import vase
-from vase.cache import check_model_supported
+from vase.hf.cache import check_model_supported
 
 from .conftest import random_ids, tiny_model
 
@@ -203,8 +203,8 @@ def test_sampling_reproducible_and_seed_dependent():
 
 def test_sampling_follows_scores():
     """Gumbel-top-k picks candidates in proportion to score ** (1 / T)."""
-    from vase.scoring import EvictionContext
-    from vase.selection import Sample, select, structural_masks
+    from vase.core.scoring import EvictionContext
+    from vase.core.selection import Sample, select, structural_masks
 
     class Fixed:
         window = 0
@@ -379,7 +379,7 @@ def test_unsupported_layer_type():
 
 
 def test_compression_ratio_helper():
-    from vase.generation import budget_for_ratio
+    from vase.harness.generation import budget_for_ratio
 
     assert budget_for_ratio(4.0, 4096) == 1024
     with pytest.raises(ValueError, match="compression ratio must be > 1"):
@@ -387,7 +387,7 @@ def test_compression_ratio_helper():
 
 
 def test_ratio_budget_is_shared_by_generate_eval_and_fidelity():
-    from vase.cache import ratio_budget
+    from vase.core.config import ratio_budget
 
     assert ratio_budget(4096, 4.0, 64) == 1024
     assert ratio_budget(1089, 8.0, 64) == 137  # ceil(1089 / 8)
@@ -398,8 +398,8 @@ def test_ratio_budget_is_shared_by_generate_eval_and_fidelity():
 
 def test_policy_specs_are_ablations():
     """'name:key=value' specs build the paper's ablations as configurations of the same parts."""
-    from vase.policies import parse_policy_spec
-    from vase.selection import Sample, TopK
+    from vase.core.policies import parse_policy_spec
+    from vase.core.selection import Sample, TopK
 
     assert parse_policy_spec("snapkv:selector=sample:protect_share=0.1:guard=none") == (
         "snapkv",
@@ -449,7 +449,7 @@ def test_rkv_redundancy_equals_direct_computation():
     """R-KV's suffix-sum redundancy equals the mean cosine similarity to later valid keys, computed densely."""
     import torch.nn.functional as F
 
-    from vase.scoring import EvictionContext, RedundancyAware
+    from vase.core.scoring import EvictionContext, RedundancyAware
 
     g = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 3, 12, 8

@@ -25,8 +25,8 @@ def no_loading(monkeypatch):
         calls.append((args, kwargs))
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr("vase.models.load_model", refuse)
-    monkeypatch.setattr("vase.bench.run_bench", refuse)
+    monkeypatch.setattr("vase.hf.models.load_model", refuse)
+    monkeypatch.setattr("vase.harness.bench.run_bench", refuse)
     return calls
 
 

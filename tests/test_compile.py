@@ -13,7 +13,7 @@ import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
 
 import vase
-from vase.cache import check_compileable
+from vase.hf.compiled import check_compileable
 
 from .conftest import random_ids, tiny_model
 
@@ -236,7 +236,7 @@ def test_compileable_errors():
     with pytest.raises(RuntimeError, match="compileable=True"):
         plain.prepare_decode()
     policy = vase.make_policy("vase")
-    plan = vase.hybrid.plan_layers(model.config)
+    plan = vase.hf.hybrid.plan_layers(model.config)
     with pytest.raises(ValueError, match="sdpa or eager"):
         check_compileable(policy, plan, "flash_attention_2", None)
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-import vase.generation
-from vase.data import DataError, load_problems
-from vase.evaluate import EvalConfig, merge, read_records, record_key, run_sweep, summarize
-from vase.fidelity import compare, replay
-from vase.magnitudes import magnitude_table
-from vase.report import write_report
+import vase.harness.generation
+from vase.harness.data import DataError, load_problems
+from vase.harness.evaluate import EvalConfig, merge, read_records, record_key, run_sweep, summarize
+from vase.harness.fidelity import compare, replay
+from vase.harness.magnitudes import magnitude_table
+from vase.harness.report import write_report
 
 from .conftest import random_ids, tiny_lm, tiny_model
 
@@ -68,7 +68,7 @@ def test_sweep_records_and_resume_after_interrupt(tmp_path, task_file, monkeypat
     assert r0["gold"] == "0" and r0["evictions"] > 0 and r0["new_tokens"] == 30
 
     # interrupt during the 3rd batch (Ctrl-C), then a kill -9 in the middle of writing a record
-    real, calls = vase.generation.generate, {"n": 0}
+    real, calls = vase.harness.generation.generate, {"n": 0}
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -76,10 +76,10 @@ def test_sweep_records_and_resume_after_interrupt(tmp_path, task_file, monkeypat
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(vase.generation, "generate", flaky)
+    monkeypatch.setattr(vase.harness.generation, "generate", flaky)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(cfg, run_dir, batch_size=3, progress=False, lm=lm)
-    monkeypatch.setattr(vase.generation, "generate", real)
+    monkeypatch.setattr(vase.harness.generation, "generate", real)
     path = run_dir / "records.jsonl"
     assert len(read_records(path)) == 6  # two batches of 3 survived
     with path.open("a") as fh:
@@ -174,11 +174,11 @@ def test_fidelity_exact_when_budget_covers_everything():
 def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_path, monkeypatch):
     """Task sources (the model's own reasoning, about a minute each on the embedded model) are written as each is
     generated, and a folder of 2 run with 3 prompts generates only the third, keeping the first two as they were."""
-    from vase.fidelity import SOURCES_FILE, FidelityConfig, build_sources, run_fidelity
+    from vase.harness.fidelity import SOURCES_FILE, FidelityConfig, build_sources, run_fidelity
 
     lm = tiny_lm()
     calls = []
-    real = vase.generation.generate
+    real = vase.harness.generation.generate
 
     def counting(*args, **kw):
         calls.append(args[2])
@@ -187,7 +187,7 @@ def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_p
         return real(*args, **kw)
 
     boom = True
-    monkeypatch.setattr(vase.generation, "generate", counting)
+    monkeypatch.setattr(vase.harness.generation, "generate", counting)
     cfg = FidelityConfig(model="tiny", source=str(task_file), policies=["vase"], prompts=2, tokens=30, ratios=[2.0])
     path = tmp_path / SOURCES_FILE
     with pytest.raises(KeyboardInterrupt):
@@ -225,7 +225,7 @@ def test_fidelity_progress_counts_only_this_runs_replays(task_file, tmp_path, mo
     sources x sizes x policies, started at those already recorded (it used to count every record of the file)."""
     import tqdm.auto
 
-    from vase.fidelity import FidelityConfig, run_fidelity
+    from vase.harness.fidelity import FidelityConfig, run_fidelity
 
     bars = []
 
@@ -389,7 +389,7 @@ def test_report_axes_one_compression_and_no_degenerate_ranges():
     every value is equal (no -0.04..0.04 pass@1 axis)."""
     import matplotlib.pyplot as plt
 
-    from vase.report import PERCENT_LIMITS, _flat_axis, compression, eval_figure
+    from vase.harness.report import PERCENT_LIMITS, _flat_axis, compression, eval_figure
 
     recs = [eval_record("full", p, kv_bytes=5 * 2**20) for p in "ab"]
     recs += [eval_record("vase", p, kv_bytes=2**20, budget=b) for p in "ab" for b in (128, 256)]

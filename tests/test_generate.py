@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import vase
 from vase.cli import app
-from vase.generation import encode_prompts, generate
+from vase.harness.generation import encode_prompts, generate
 
 from .conftest import TinyTokenizer, need_data, random_ids, tiny_model
 
@@ -130,7 +130,7 @@ def test_python_api_batch_and_ratio():
     ],
 )
 def test_python_api_checks_options_before_running(kwargs, message):
-    """vase.generation.generate refuses out-of-range options before tokenizing or running the model."""
+    """vase.harness.generation.generate refuses out-of-range options before tokenizing or running the model."""
     model = tiny_model("llama")
 
     def never(*args, **kw):
@@ -218,7 +218,7 @@ def test_cli_prompt_longer_than_context(embedded):
 
 def test_load_model_from_local_folder(embedded, tmp_path):
     """A local Qwen3 checkpoint folder (config + weights + tokenizer) loads through the same path as a hub id."""
-    from vase.models import load_model
+    from vase.hf.models import load_model
 
     model = tiny_model("qwen3")
     model.save_pretrained(tmp_path)
@@ -232,7 +232,7 @@ def test_load_model_from_local_folder(embedded, tmp_path):
 
 
 def test_model_load_errors(tmp_path):
-    from vase.models import ModelLoadError, load_model
+    from vase.hf.models import ModelLoadError, load_model
 
     with pytest.raises(ModelLoadError, match="flash_attention_2 needs a CUDA device"):
         load_model("smollm2", device="cpu", attn="flash_attention_2")
@@ -248,13 +248,13 @@ def test_python_api_compile(monkeypatch):
     inductor in tests/test_compile.py): the same completions as without."""
     import torch._dynamo
 
-    import vase.generation
+    import vase.harness.generation
 
     def quick(device, backend="inductor"):
         return real(device, backend="aot_eager")
 
-    real = vase.generation.compile_config
-    monkeypatch.setattr(vase.generation, "compile_config", quick)
+    real = vase.harness.generation.compile_config
+    monkeypatch.setattr(vase.harness.generation, "compile_config", quick)
     torch._dynamo.reset()
     model = tiny_model("llama")
     prompts = ["a first prompt", "and a longer second prompt"]

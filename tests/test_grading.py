@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from vase.grading import extract_answer, grade, is_equivalent
+from vase.harness.grading import extract_answer, grade, is_equivalent
 
 EQUIVALENT = [
     ("72", "72.0"),

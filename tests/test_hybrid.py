@@ -47,8 +47,9 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import vase
-from vase import hybrid
-from vase.cache import EvictingLayer, check_model_supported
+from vase.hf import hybrid
+from vase.hf.cache import check_model_supported
+from vase.hf.layer import EvictingLayer
 
 from .conftest import VOCAB
 
@@ -325,9 +326,10 @@ def test_ragged_rows_equal_rows_alone(fam):
 
 @pytest.mark.parametrize("fam", ["gpt_oss", "qwen3_5"])
 def test_multi_token_continuation_equals_token_by_token(fam):
-    """Teacher-forced chunks of several tokens (vase.fidelity.replay, chunks ending where the cache evicts) give the
-    log-probabilities of token-by-token decoding: the kept layers take several new tokens beside the evicting ones."""
-    from vase.fidelity import replay
+    """Teacher-forced chunks of several tokens (vase.harness.fidelity.replay, chunks ending where the cache evicts) give
+    the log-probabilities of token-by-token decoding: the kept layers take several new tokens beside the evicting
+    ones."""
+    from vase.harness.fidelity import replay
 
     model = hybrid_model(fam)
     prompt, cont = ids_of(20)[0], ids_of(50, seed=4)[0]
@@ -435,7 +437,7 @@ def test_cli_model_folder(fam, tmp_path):
     from typer.testing import CliRunner
 
     from vase.cli import app
-    from vase.models import load_model
+    from vase.hf.models import load_model
 
     tok = byte_tokenizer()
     cfg = hybrid_config(fam)
@@ -458,8 +460,8 @@ def test_cli_model_folder(fam, tmp_path):
     assert "evictions" in result.output and "policy vase" in result.output
 
     # vase inspect measures the full-attention layers only (the ones vase evicts), under their model indices
-    from vase.hybrid import plan_layers
-    from vase.magnitudes import collect_kv, magnitude_table
+    from vase.harness.magnitudes import collect_kv, magnitude_table
+    from vase.hf.hybrid import plan_layers
 
     full = [p.index for p in plan_layers(cfg) if p.evicts]
     assert 0 < len(full) < cfg.num_hidden_layers

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vase.loops import (
+from vase.harness.loops import (
     MIN_SPAN,
     PAPER_LOOP_PATTERN,
     Loop,

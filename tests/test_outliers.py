@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.conftest import random_ids, tiny_model
-from vase.fidelity import FidelityConfig, planted_positions, replay, run_fidelity
-from vase.outliers import PlantedValues, kept_share
-from vase.policies import make_policy
-from vase.scoring import EvictionContext
+from vase.core.policies import make_policy
+from vase.core.scoring import EvictionContext
+from vase.harness.fidelity import FidelityConfig, planted_positions, replay, run_fidelity
+from vase.harness.outliers import PlantedValues, kept_share
 
 
 def test_planting_scales_the_chosen_values_only():

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import vase
-from vase import attention as attn
+from vase.hf import attention as attn
 
 from .conftest import random_ids, tiny_model
 
@@ -70,7 +70,7 @@ def prefill_peak(attn_impl: str, batch: int, cache_factory) -> int:
 @functools.cache
 def dense_peak(attn_impl: str, batch: int) -> int:
     # installs vase's attention on the model first, as the evicting runs do (the dense run goes through the wrapper)
-    vase.attention.install(_model(attn_impl))
+    vase.hf.attention.install(_model(attn_impl))
     return prefill_peak(attn_impl, batch, lambda m: DynamicCache(config=m.config))
 
 

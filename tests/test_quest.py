@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache
 
 import vase
-import vase.generation
-from vase.bench import decode_run, kv_bytes
-from vase.pages import PageSelection, PageTable, page_bound, select_pages
+import vase.harness.generation
+from vase.core.pages import PageSelection, PageTable, page_bound, select_pages
+from vase.harness.bench import decode_run, kv_bytes
 
 from .conftest import random_ids, tiny_lm, tiny_model
 from .test_ragged import assert_row_equal, run_phases
@@ -165,7 +165,7 @@ def test_budget_at_least_the_length_equals_the_full_cache(family, attn):
     st = quest.stats()
     assert st.evictions == 0 and st.slots_held == 40
     # fidelity: exactly the full cache's distributions
-    from vase.fidelity import compare, replay
+    from vase.harness.fidelity import compare, replay
 
     prompt, cont = out[0, :24], out[0, 24:]
     res = compare(replay(model, prompt, cont, "full", 64, 8), replay(model, prompt, cont, "quest", 64, 8), cont, 16)
@@ -187,7 +187,7 @@ def _decode_logits(model, prompt, cont, cache, chunk: bool):
 def test_chunked_replay_equals_token_by_token_decode(attn):
     """A teacher-forced chunk selects per query token exactly what token-by-token decoding selects, so fidelity's
     one-chunk replay is exact for quest; and the selection does change the result (it is not the full cache)."""
-    from vase.fidelity import replay
+    from vase.harness.fidelity import replay
 
     model = tiny_model("llama", attn, kv_heads=2)
     ids = random_ids(120, seed=4)[0]
@@ -270,7 +270,7 @@ def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         vase.EvictingCache(tiny_model("llama"), **kwargs)
     with pytest.raises(ValueError, match=message):
-        vase.generation.check_options(**kwargs)
+        vase.harness.generation.check_options(**kwargs)
 
 
 def test_flash_attention_is_refused_with_a_clear_error():
@@ -288,8 +288,8 @@ def test_policy_listing():
 
 
 def test_eval_and_fidelity_run_with_quest(tmp_path):
-    from vase.evaluate import EvalConfig, read_records, run_sweep
-    from vase.fidelity import FidelityConfig, run_fidelity
+    from vase.harness.evaluate import EvalConfig, read_records, run_sweep
+    from vase.harness.fidelity import FidelityConfig, run_fidelity
 
     lm = tiny_lm()
     task = tmp_path / "t.jsonl"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import vase
-from vase.policy import Policy
-from vase.scoring import EvictionContext, Scorer
-from vase.selection import TopK
+from vase.core.policy import Policy
+from vase.core.scoring import EvictionContext, Scorer
+from vase.core.selection import TopK
 
 from .conftest import random_ids, tiny_model
 

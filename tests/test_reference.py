@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import vase
-from vase import rng
-from vase.outliers import PlantedValues
-from vase.policies import make_policy
-from vase.scoring import STREAM_PROJECTION, STREAM_SAMPLE, EvictionContext
+from vase.core import rng
+from vase.core.policies import make_policy
+from vase.core.scoring import STREAM_PROJECTION, STREAM_SAMPLE, EvictionContext
+from vase.harness.outliers import PlantedValues
 
 SINKS = 4
 
@@ -459,7 +459,7 @@ def test_cli_spec_builds_the_published_preset():
 
 
 def test_published_budget_rules_and_ratio_rounding():
-    from vase.generation import check_options, generate
+    from vase.harness.generation import check_options, generate
 
     with pytest.raises(ValueError, match=r"multiple of the buffer \(64\); got 300: use 256 or 320"):
         check_options(policy="vase:preset=paper", budget=300)

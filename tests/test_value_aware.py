@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import vase
-from vase.outliers import PlantedValues
-from vase.policies import make_policy
-from vase.scoring import AccumulatedAttention, EvictionContext, WindowAttention, weight_by_value
-from vase.selection import TopK, ValueGuard, select, structural_masks
+from vase.core.policies import make_policy
+from vase.core.scoring import AccumulatedAttention, EvictionContext, WindowAttention, weight_by_value
+from vase.core.selection import TopK, ValueGuard, select, structural_masks
+from vase.harness.outliers import PlantedValues
 
 from .conftest import random_ids, tiny_model
 
@@ -371,7 +371,7 @@ def test_recent_larger_than_buffer_and_validation():
     with pytest.raises(ValueError, match="does not take option"):
         make_policy("full:recent=3")
     assert make_policy("h2o:recent=0").describe().endswith("recent window 0")
-    from vase.generation import check_options
+    from vase.harness.generation import check_options
 
     with pytest.raises(ValueError, match="must be below the budget"):
         check_options(policy="snapkv:recent=30", budget=32, buffer=8)
@@ -427,7 +427,7 @@ def test_new_options_generate_end_to_end(spec, attn):
 
 
 def test_fidelity_records_guard_counts():
-    from vase.fidelity import guard_counts, replay
+    from vase.harness.fidelity import guard_counts, replay
 
     model = tiny_model("llama")
     prompt, cont = random_ids(12)[0], random_ids(60, seed=3)[0]

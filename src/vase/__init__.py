@@ -1,32 +1,50 @@
-"""vase: bounded KV cache for long reasoning generation with Hugging Face transformers.
+"""vase: bounded KV cache for long reasoning generation.
 
 Value-Aware Stochastic Eviction (VaSE, arXiv 2606.03928) and the usual baselines, behind one cache class::
 
     import vase
     cache = vase.EvictingCache(model, policy="vase", budget=1024)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=4096)
     print(cache.stats().line())
 
-Compiled decoding (one graph per decode step, CUDA graphs on a GPU)::
+Or in one call, batched: ``vase.generate(model, tokenizer, prompts, policy="vase", compression_ratio=4)``.
 
-    cache = vase.EvictingCache(model, policy="vase", budget=1024, compileable=True)
-    out = model.generate(**inputs, cache=cache, compile_config=vase.compile_config(model.device))
+Layers (docs/ARCHITECTURE.md): :mod:`vase.core` is the algorithm, with torch alone; :mod:`vase.hf` the transformers
+integration; :mod:`vase.harness` the experiments; :mod:`vase.cli` the command line. ``import vase`` imports none of
+them: each name below loads its module on first use, so ``import vase.core`` works without transformers.
 """
 
-from .cache import CacheStats, EvictingCache
-from .generation import compile_config
-from .policies import POLICY_NAMES, make_policy, policy_table
-from .policy import Policy
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CacheStats",
-    "EvictingCache",
-    "POLICY_NAMES",
-    "Policy",
-    "compile_config",
-    "make_policy",
-    "policy_table",
-    "__version__",
-]
+_EXPORTS = {
+    "CacheStats": "vase.hf.stats",
+    "EvictingCache": "vase.hf.cache",
+    "compile_config": "vase.hf.compiled",
+    "load_model": "vase.hf.models",
+    "generate": "vase.harness.generation",
+    "POLICY_NAMES": "vase.core.policies",
+    "make_policy": "vase.core.policies",
+    "policy_table": "vase.core.policies",
+    "Policy": "vase.core.policy",
+    "VaseConfig": "vase.core.config",
+    "evict_layer": "vase.core.evict",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vase' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -80,7 +80,7 @@ def _threads():
 @friendly
 def policies():
     """List the eviction policies: name, what each keeps, source."""
-    from .policies import policy_table
+    from .core.policies import policy_table
 
     for name, keeps, source in policy_table():
         typer.echo(f"{name:14s} {keeps}\n{'':14s} {source}")
@@ -123,7 +123,7 @@ def generate(
     ),
 ):
     """Generate from one prompt with an evicting cache, streaming the text, then print a stats line."""
-    from .data import TEMPLATES
+    from .harness.data import TEMPLATES
 
     options = dict(
         policy=policy,
@@ -155,7 +155,7 @@ def generate(
 
 
 def _prompt_text(prompt, data, index, question_field, template) -> str:
-    from .data import TEMPLATES, pick_problem
+    from .harness.data import TEMPLATES, pick_problem
 
     if data is not None:
         if prompt is not None:
@@ -187,8 +187,8 @@ _UNCHECKED = ("seed", "compress_prompt", "system", "chat")
 
 def _check_options(model_options: dict, options: dict) -> None:
     """Every option's range, before the prompt is read or anything is loaded (a bad value fails in a second)."""
-    from .generation import check_options
-    from .models import check_load_options
+    from .harness.generation import check_options
+    from .hf.models import check_load_options
 
     check_options(**{k: v for k, v in options.items() if k not in _UNCHECKED})
     check_load_options(
@@ -200,8 +200,8 @@ def _run_generation(text: str, model_options: dict, options: dict):
     """Load the model, stream the generation to stdout, end with the stats line. ``options`` go to vase.generate."""
     from transformers import TextStreamer
 
-    from .generation import generate as run
-    from .models import load_model
+    from .harness.generation import generate as run
+    from .hf.models import load_model
 
     _check_options(model_options, options)  # again for `vase demo`; cheap
     _threads()
@@ -229,7 +229,7 @@ def demo(
     problem. The small model would stop early, so end-of-sequence is suppressed until max_new_tokens: the cache
     then goes through several evictions.
     """
-    from .data import BUILTIN_PROMPT, TEMPLATES, pick_problem, resolve_task
+    from .harness.data import BUILTIN_PROMPT, TEMPLATES, pick_problem, resolve_task
 
     _, path = resolve_task("gsm8k")
     if path.exists():
@@ -262,7 +262,7 @@ def _csv(text: str | None, cast=str) -> list:
 
 
 def _policies(text: str) -> list[str]:
-    from .policies import POLICY_NAMES
+    from .core.policies import POLICY_NAMES
 
     return list(POLICY_NAMES) if text == "all" else _csv(text)
 
@@ -293,7 +293,7 @@ def eval_cmd(
     attn: str = AttnOpt,
 ):
     """Accuracy sweep: policies x budgets/ratios x tasks x seeds, one JSONL record per completion; resumable."""
-    from .evaluate import EvalConfig, check_results_dir, parse_shard, run_sweep
+    from .harness.evaluate import EvalConfig, check_results_dir, parse_shard, run_sweep
 
     _threads()
     config = EvalConfig(
@@ -322,8 +322,8 @@ def eval_cmd(
 
 def _check_sweep(config, batch_size: int, device: str) -> None:
     """The ranges of `vase eval`'s options, checked before any task file or model is loaded."""
-    from .generation import check_options, check_sampling
-    from .models import check_load_options
+    from .harness.generation import check_options, check_sampling
+    from .hf.models import check_load_options
 
     check_load_options(config.dtype, device, config.attn)
     check_sampling(config.temperature, config.top_p, config.top_k)
@@ -357,7 +357,7 @@ def merge(
     sources: list[Path] = typer.Argument(..., help="results directories (shards) of the same configuration"),
 ):
     """Join the shards of a sweep (run on several machines) into one results directory."""
-    from .evaluate import merge as do_merge
+    from .harness.evaluate import merge as do_merge
 
     n, missing = do_merge(dest, sources)
     typer.echo(f"[vase] {n} records in {dest / 'records.jsonl'}; {missing} work units of the grid still missing")
@@ -392,7 +392,7 @@ def fidelity(
 
     With --plant-layers and --plant-tokens, value outliers are planted (the same in the reference and the policies)
     and the records say which share of them each policy still holds at the end."""
-    from .fidelity import FidelityConfig, run_fidelity
+    from .harness.fidelity import FidelityConfig, run_fidelity
 
     _threads()
     config = FidelityConfig(
@@ -434,8 +434,8 @@ def inspect(
     device: str = DeviceOpt,
 ):
     """Value and key magnitudes per layer and KV head: does the model have the large values the guard protects?"""
-    from .magnitudes import inspect_model
-    from .models import load_model
+    from .harness.magnitudes import inspect_model
+    from .hf.models import load_model
 
     text = _prompt_text(prompt, data, index, None, "auto")
     _threads()
@@ -452,7 +452,7 @@ def report(
     out: Path | None = typer.Option(None, "--out", "-o", help="where REPORT.md and the PNGs go (default: RESULTS)"),
 ):
     """Markdown tables and PNG plots from a results directory."""
-    from .report import write_report
+    from .harness.report import write_report
 
     path = write_report(results, out or results)
     typer.echo(path.read_text())
@@ -489,9 +489,16 @@ def bench(
     device: str = DeviceOpt,
 ):
     """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
-    from .bench import compiled_markdown, compiled_speed, paired_markdown, paired_speed, profile_eviction, run_bench
-    from .generation import check_options
-    from .models import check_load_options
+    from .harness.bench import (
+        compiled_markdown,
+        compiled_speed,
+        paired_markdown,
+        paired_speed,
+        profile_eviction,
+        run_bench,
+    )
+    from .harness.generation import check_options
+    from .hf.models import check_load_options
 
     check_load_options(device=device)
     if out.exists() and not out.is_dir():
@@ -528,7 +535,7 @@ def bench(
             check_options(policy=name, budget=None if name == "full" else size, buffer=buffer)
     _threads()
     if paired or profile or compile:
-        from .models import load_model
+        from .hf.models import load_model
 
         lm = load_model(model, device=device)
     if compile:

@@ -43,7 +43,7 @@ class RunConfig(BaseModel):
     @field_validator("policies")
     @classmethod
     def _known_policies(cls, v):
-        from .policies import make_policy
+        from ..core.policies import make_policy
 
         for spec in v:
             make_policy(spec)  # raises with the list of valid names, or the bad option
@@ -53,7 +53,7 @@ class RunConfig(BaseModel):
     def has_published(self) -> bool:
         """Whether a policy of the sweep is the published preset (``preset=paper``): budgets derived from ratios
         are then rounded to multiples of the buffer, for every policy alike."""
-        from .policies import make_policy
+        from ..core.policies import make_policy
 
         return any(make_policy(p).published for p in self.policies)
 
@@ -256,10 +256,10 @@ def run_sweep(
     """
     from tqdm.auto import tqdm
 
+    from ..hf.models import load_model
     from .generation import encode_prompts, generate
     from .grading import grade
     from .loops import loop_flag, paper_loop
-    from .models import load_model
 
     problems = {
         t: load_problems(t, question_field=config.question_field, answer_field=config.answer_field)[: config.limit]
@@ -340,7 +340,7 @@ def run_sweep(
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
     """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
     rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
-    from .cache import ratio_budget
+    from ..core.config import ratio_budget
 
     out = {}
     for task, plist in problems.items():
@@ -392,7 +392,7 @@ def merge(dest: Path, sources: Iterable[Path]) -> tuple[int, int]:
 
 
 def loop_flags(rec: dict) -> tuple[bool, bool | None]:
-    """(loop, paper regex loop) of a record, from :mod:`vase.loops`.
+    """(loop, paper regex loop) of a record, from :mod:`vase.harness.loops`.
 
     Recomputed from the record's text by the current detectors when the record holds ``text`` and ``finished`` (so
     a report follows detector changes without generating again); otherwise the stored ``loop`` and ``paper_loop``
@@ -408,10 +408,10 @@ def loop_flags(rec: dict) -> tuple[bool, bool | None]:
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, policy, budget, ratio): pass@1 and its standard error (over problems, in %), loop rate
-    (%, :func:`vase.loops.loop_flag`), paper regex loop rate (%, :func:`vase.loops.paper_loop`; None when a record
-    predates it), share of completions cut by the token limit (%), mean generated tokens, mean KV bytes held and a
-    full cache's, completions and problems counted. Loop flags come from :func:`loop_flags` (recomputed from the
-    stored text)."""
+    (%, :func:`vase.harness.loops.loop_flag`), paper regex loop rate (%, :func:`vase.harness.loops.paper_loop`;
+    None when a record predates it), share of completions cut by the token limit (%), mean generated tokens, mean KV
+    bytes held and a full cache's, completions and problems counted. Loop flags come from :func:`loop_flags`
+    (recomputed from the stored text)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["task"], r["policy"], r["budget"], r.get("ratio")), []).append(r)

@@ -1,6 +1,6 @@
 """A policy = scorer + optional value guard + selector, under a standard name.
 
-Every policy module in :mod:`vase.policies` builds its :class:`Policy` with :func:`compose` from its own scorer and
+Every policy module in :mod:`vase.core.policies` builds its :class:`Policy` with :func:`compose` from its own scorer and
 defaults. The guard and selector options are open to every evicting policy, so the paper's ablations are
 configurations, for example (VaSE, arXiv 2606.03928, Sec. 5)::
 
@@ -20,7 +20,7 @@ scorers also take ``value_weight`` ('l1': VATP, 'output_error': CAOTE), for exam
 Adaptive budgets (issue 11), open to every evicting policy: ``head_budget='adakv'`` shares each layer's budget
 between its KV heads by one top-k of the policy's scores over the whole layer (AdaKV, arXiv 2407.11550, Sec. 3),
 ``layer_budget='pyramid'`` gives the first layers more than the last (PyramidKV, arXiv 2406.02069, Sec. 3); the total
-kept stays layers x KV heads x budget (see :mod:`vase.budgets` and :class:`vase.EvictingCache`)::
+kept stays layers x KV heads x budget (see :mod:`vase.core.budgets` and :class:`vase.EvictingCache`)::
 
     make_policy("snapkv", head_budget="adakv", layer_budget="pyramid")
 """
@@ -91,7 +91,7 @@ class Policy:
             'uniform' | 'adakv', ``layer_budget`` 'uniform' | 'pyramid', ``budget_cap``, ``head_floor``,
             ``pyramid_beta``: adaptive budgets, see :attr:`adaptive_budgets`).
         sparse: for a selection policy that never evicts (``quest``), its per-step attention rule
-            (:class:`vase.pages.PageSelection`): which held entries each query attends to; None otherwise.
+            (:class:`vase.core.pages.PageSelection`): which held entries each query attends to; None otherwise.
     """
 
     name: str
@@ -148,7 +148,7 @@ class Policy:
         return self.evicts and (heads != "uniform" or layers != "uniform")
 
     def select(self, ctx: EvictionContext, keep, kmax: int, forced, allocate=None) -> Selection:
-        """Slots to keep; see :func:`vase.selection.select`."""
+        """Slots to keep; see :func:`vase.core.selection.select`."""
         return select(self.scorer, self.selector, self.guard, ctx, keep, kmax, forced, allocate)
 
     def describe(self) -> str:

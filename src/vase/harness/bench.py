@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .policies import make_policy
+from ..core.policies import make_policy
 
 DEFAULT_PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a mysterious map."
 MIB = 2.0**20
@@ -44,7 +44,7 @@ def rss_bytes() -> tuple[int, int]:
 def kv_bytes(cache) -> int:
     """Bytes a cache holds now (any transformers cache): key/value tensors, the convolution and recurrent states of
     linear-attention layers (hybrid models), and quest's page metadata."""
-    from .hybrid import state_bytes
+    from ..hf.hybrid import state_bytes
 
     total = 0
     for layer in cache.layers:
@@ -63,7 +63,7 @@ def _make_cache(model, policy: str, budget: int, buffer: int):
     :class:`~vase.EvictingCache`."""
     from transformers import DynamicCache
 
-    from .cache import EvictingCache
+    from ..hf.cache import EvictingCache
 
     if policy == "full":
         return DynamicCache(config=model.config)
@@ -160,7 +160,7 @@ def paired_speed(
     alike, which sequential runs cannot guarantee on a shared machine.
 
     Args:
-        lm: a loaded model (:func:`vase.models.load_model`).
+        lm: a loaded model (:func:`vase.hf.models.load_model`).
         policies: policy names; the first is the reference of the ratios.
         budget, buffer: cache sizes in tokens for the evicting policies.
         context: prompt length in tokens (the full cache decodes at ``context`` to ``context + steps``).
@@ -244,7 +244,7 @@ def _compiled_cache(model, label: str, budget: int, buffer: int, max_len: int):
     :class:`~vase.EvictingCache` (compileable for the latter)."""
     from transformers import StaticCache
 
-    from .cache import EvictingCache
+    from ..hf.cache import EvictingCache
 
     policy, compiled = label.removesuffix(COMPILED), label.endswith(COMPILED)
     if policy == "full":
@@ -272,7 +272,7 @@ def compiled_speed(
     The budget of a context shorter than ``budget + buffer`` is cut to half the context.
 
     Args:
-        lm: a loaded model (:func:`vase.models.load_model`), sdpa or eager attention.
+        lm: a loaded model (:func:`vase.hf.models.load_model`), sdpa or eager attention.
         policies: ``full`` and vase policies; the first policy's uncompiled run is the reference of the ratios.
         contexts: prompt lengths in tokens.
         budget, buffer: tokens, for the evicting policies.
@@ -282,7 +282,7 @@ def compiled_speed(
     Returns:
         One :func:`paired_speed` result per context, runs labelled ``P`` and ``P+compile``.
     """
-    from .attention import install
+    from ..hf.attention import install
 
     mode = mode or ("reduce-overhead" if lm.device.type == "cuda" else "default")
     # vase's attention function first, for every run: creating a vase cache switches the model to it, which would
@@ -365,8 +365,8 @@ def paired_markdown(res: dict) -> str:
 
 def worker(args: dict) -> dict:
     """One configuration in this process (called in a subprocess by :func:`run_bench`)."""
+    from ..hf.models import load_model
     from .generation import encode_prompts
-    from .models import load_model
 
     if args.get("threads"):
         torch.set_num_threads(args["threads"])
@@ -422,7 +422,7 @@ def run_bench(
             "threads": torch.get_num_threads(),
         }
         proc = subprocess.run(
-            [sys.executable, "-m", "vase.bench", json.dumps(args)],
+            [sys.executable, "-m", "vase.harness.bench", json.dumps(args)],
             capture_output=True,
             text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from .cache import ratio_budget
+from ..core.config import ratio_budget
 from .evaluate import RunConfig, prepare_dir, read_records
 from .outliers import PlantedValues, kept_share
 
@@ -40,7 +40,7 @@ class FidelityConfig(RunConfig):
     budgets: list[int] = Field(default_factory=list)
     bucket: int = 256
     seed: int = 0
-    plant_layers: list[int] = Field(default_factory=list)  # planted value outliers (vase.outliers), none by default
+    plant_layers: list[int] = Field(default_factory=list)  # planted value outliers (harness.outliers); none by default
     plant_tokens: int = 0
     plant_scale: float = 20.0
 
@@ -74,7 +74,7 @@ def replay(
     Args:
         prompt_ids: ``[P]`` token ids; continuation: ``[T]`` token ids (the targets).
     """
-    from .cache import EvictingCache
+    from ..hf.cache import EvictingCache
 
     dev = next(model.parameters()).device
     cache = EvictingCache(model, policy=policy, budget=budget, buffer=buffer, seed=seed)
@@ -198,7 +198,7 @@ def write_sources(path: Path, sources: list[dict]) -> None:
 
 def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float) -> int:
     """The budget (tokens per KV head) of one replay of ``source``: ``value`` itself for ``kind='budget'``, else
-    :func:`vase.cache.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
+    :func:`vase.hf.cache.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
     (rounded to the buffer for every policy alike when the run holds the published method)."""
     if kind == "budget":
         return int(value)
@@ -209,16 +209,17 @@ def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float)
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
     """Run (or resume) a fidelity sweep into ``out/fidelity.jsonl``; returns that path.
 
-    With ``plant_layers`` and ``plant_tokens``, value outliers are planted (:class:`vase.outliers.PlantedValues`) in
-    the reference and in every policy's replay, and each record gains ``planted_kept``: the share of planted
-    (layer, KV head, token) entries the policy's cache still holds at the end.
+    With ``plant_layers`` and ``plant_tokens``, value outliers are planted
+    (:class:`vase.harness.outliers.PlantedValues`) in the reference and in every policy's replay, and each record
+    gains ``planted_kept``: the share of planted (layer, KV head, token) entries the policy's cache still holds at
+    the end.
 
     Raises:
         ValueError: another configuration in ``out``, an unknown policy or source, planted layers the model lacks.
     """
     from tqdm.auto import tqdm
 
-    from .models import load_model
+    from ..hf.models import load_model
 
     if not config.ratios and not config.budgets:
         raise ValueError("give at least one compression ratio or budget")

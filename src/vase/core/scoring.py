@@ -3,7 +3,7 @@
 A scorer looks at an :class:`EvictionContext` (the cached keys and values, their logical positions, the saved
 post-RoPE queries) and returns ``scores`` of shape ``[b, kv_heads, slots]`` (float32; higher = more worth keeping).
 Scorers never need attention weights from the attention kernel: attention-based scores are recomputed here from the
-queries that :mod:`vase.attention` saved.
+queries that :mod:`vase.hf.attention` saved.
 
 Shapes used throughout: ``b`` batch rows taking part in the eviction, ``H`` KV heads, ``G`` query heads per KV head
 (GQA group), ``S`` slots (cached entries considered), ``W`` saved queries, ``D`` head_dim.
@@ -34,8 +34,8 @@ class EvictionContext:
         positions: ``[b, H, S]`` int64 logical position of each slot: the index of its token among the real
             (non-padding) tokens of its row. Within a (row, head), valid slots are in increasing position order.
         valid: ``[b, S]`` bool, which slots hold a real token (padding and free slots are False); ``[b, H, S]``
-            per KV head when the heads of a row hold different counts (adaptive budgets, :mod:`vase.budgets`: a head
-            holding fewer tokens than the shared layout has dead slots). Code reading ``valid``, ``candidates`` or
+            per KV head when the heads of a row hold different counts (adaptive budgets, :mod:`vase.core.budgets`: a
+            head holding fewer tokens than the shared layout has dead slots). Code reading ``valid``, ``candidates`` or
             the masks derived from them handles both shapes (``mask.view(b, -1, S)`` broadcasts over heads).
         candidates: ``[b, S]`` (or ``[b, H, S]``, as ``valid``) bool, valid slots that are neither sinks nor in the
             recent window: the ones the policy chooses among.
@@ -46,7 +46,7 @@ class EvictionContext:
         layer_idx: index of the layer being compacted.
         budget: this layer's budget in tokens per KV head on average (the cache budget, or the layer's PyramidKV
             budget with ``layer_budget='pyramid'``).
-        row_keys: ``[b]`` int64 random keys of the rows (see :mod:`vase.rng`).
+        row_keys: ``[b]`` int64 random keys of the rows (see :mod:`vase.core.rng`).
         eviction_index: ``[b]`` int64, how many evictions each row has had before this one.
         state: per-slot state of the scorer, tensors ``[b, H, S]`` that move with their tokens.
         memo: per-layer scalars a scorer may keep between evictions (e.g. how far H2O has accumulated); the cache

@@ -4,7 +4,7 @@ Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM In
 Nothing is evicted: the cache holds every token (its buffers grow like ``full``'s) plus, per page of ``page`` tokens
 (16), the element-wise min and max of the page's keys per KV head. At each step after the prefill, each query token
 and query head attends to its own page, the sink pages and the pages with the largest upper bound of ``q . k``
-within the budget, which here means tokens attended per step (see :mod:`vase.pages`). The budget of the evicting
+within the budget, which here means tokens attended per step (see :mod:`vase.core.pages`). The budget of the evicting
 policies means tokens kept (they attend to ``budget`` to ``budget + buffer`` tokens); quest attends to at most
 ``budget``.
 """

@@ -12,8 +12,8 @@ ranks the candidate pages, and the query attends only to the pages it selects (:
 
 * the prefill (the first forward of a cache) is dense, as Quest selects at decode only;
 * every later query, at logical position ``t`` (one decode token, or each token of a multi-token chunk: a chat
-  continuation, or the teacher-forced chunk of :func:`vase.fidelity.replay`), always attends to its own page (the
-  tokens ``page * (t // page) .. t``) and to the sink pages (the pages holding the first ``sinks`` tokens); the
+  continuation, or the teacher-forced chunk of :func:`vase.harness.fidelity.replay`), always attends to its own page
+  (the tokens ``page * (t // page) .. t``) and to the sink pages (the pages holding the first ``sinks`` tokens); the
   candidates are the complete pages before its own page; the token budget left after those forced tokens is filled
   with whole candidate pages by decreasing bound (ties: the earlier page). So a query attends to at most ``budget``
   tokens, and a chunk selects exactly what token-by-token decoding selects.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import mask_in_kind
+from .masks import mask_in_kind
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 

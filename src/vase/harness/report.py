@@ -83,7 +83,7 @@ def eval_figure(rows: list[dict], task: str):
 def eval_section(records: list[dict], out: Path) -> list[str]:
     """Accuracy table (compression, pass@1 +- standard error, loop rates, share cut by the token limit, mean length,
     KV memory) and plots, per task. Loop flags are recomputed from the stored text
-    (:func:`vase.evaluate.loop_flags`)."""
+    (:func:`vase.harness.evaluate.loop_flags`)."""
     from .evaluate import summarize
 
     rows = summarize(records)
@@ -111,9 +111,9 @@ def eval_section(records: list[dict], out: Path) -> list[str]:
             "Compression: full-cache bytes (a dense cache of every prompt and generated token) / KV bytes held, means "
             "over the completions; `full` is the reference, 1.00x by definition (its buffers grow in steps of the "
             "budget, so its KV held can exceed the full-cache bytes). Loop rate: cut by the token limit while ending "
-            "in 3+ near-identical repetitions of a 5-300 character unit (`vase.loops.loop_flag`; error rates in "
-            "docs/RESULTS.md). Paper regex loop rate: `(.{10,40})\\1{4,}` found in the last 500 characters, finished "
-            "or not (the VaSE reference check). Both are recomputed from the stored text.",
+            "in 3+ near-identical repetitions of a 5-300 character unit (`vase.harness.loops.loop_flag`; error rates "
+            "in docs/RESULTS.md). Paper regex loop rate: `(.{10,40})\\1{4,}` found in the last 500 characters, "
+            "finished or not (the VaSE reference check). Both are recomputed from the stored text.",
             "",
         ]
         fig = eval_figure(trows, task)

@@ -10,17 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import (
-    CacheStats,
-    EvictingCache,
-    _is_int,
-    check_compileable_policy,
-    check_published,
-    check_sizes,
-    ratio_budget,
-    recent_window,
-)
-from .policies import make_policy
+from ..core.config import DEFAULT_BUDGET, VaseConfig, check_ratio, is_int
+from ..hf.cache import EvictingCache
+from ..hf.compiled import compile_config
+from ..hf.stats import CacheStats
+
+__all__ = ["DEFAULT_BUDGET", "Completion", "GenerationResult", "check_options", "encode_prompts", "generate"]
 
 
 def budget_for_ratio(ratio: float, total_tokens: int) -> int:
@@ -29,12 +24,8 @@ def budget_for_ratio(ratio: float, total_tokens: int) -> int:
     Raises:
         ValueError: if ``ratio <= 1``.
     """
-    if not ratio > 1:
-        raise ValueError(f"compression ratio must be > 1 (e.g. 4 for a 4x smaller cache), got {ratio}")
+    check_ratio(ratio)
     return max(1, math.ceil(total_tokens / ratio))
-
-
-DEFAULT_BUDGET = 1024
 
 
 def check_options(
@@ -45,6 +36,7 @@ def check_options(
     buffer: int = 64,
     sinks: int = 4,
     window: int | None = None,
+    compress_prompt: bool | None = None,
     max_new_tokens: int = 512,
     min_new_tokens: int = 0,
     temperature: float = 0.0,
@@ -52,54 +44,48 @@ def check_options(
     top_k: int = 0,
     compile: bool = False,
     **policy_options,
-) -> None:
-    """Check generation options before anything is loaded: the rules of :func:`generate` and
-    :class:`~vase.EvictingCache`, so that bad values fail in a second rather than after the model has loaded.
+) -> VaseConfig:
+    """Check generation options before anything is loaded and return the resolved :class:`vase.VaseConfig`: the
+    rules of :func:`generate` and :class:`~vase.EvictingCache`, so that bad values fail in a second rather than after
+    the model has loaded.
 
     Sampling values are checked even for greedy decoding (``temperature`` 0), where they would be ignored.
 
     Raises:
-        ValueError: naming the option and the allowed range: budget and ratio both given, budget not larger than
-            sinks + buffer, ratio <= 1, buffer < 1, sinks < 0, window < 1, max_new_tokens < 1, min_new_tokens
-            outside [0, max_new_tokens], temperature < 0, top_p outside (0, 1], top_k < 0, an unknown policy or
-            policy option, a budget or window the published preset cannot take (see
-            :func:`vase.cache.check_published`), a quest budget below its forced pages (see
-            :meth:`vase.pages.PageSelection.check`), ``compile`` with the selection policy quest.
+        ValueError: naming the option and the allowed range: max_new_tokens < 1, min_new_tokens outside [0,
+            max_new_tokens], temperature < 0, top_p outside (0, 1], top_k < 0, and every rule of
+            :meth:`vase.VaseConfig.resolve` (budget and ratio both given, budget not larger than sinks + buffer,
+            ratio <= 1, an unknown policy or option, the published preset's budget and window, quest's budget,
+            ``compile`` with quest, ...).
     """
+    config = VaseConfig.resolve(
+        policy,
+        budget=budget,
+        ratio=compression_ratio,
+        buffer=buffer,
+        sinks=sinks,
+        window=window,
+        compress_prompt=compress_prompt,
+        compile=compile,
+        **policy_options,
+    )
+    check_decoding(max_new_tokens, min_new_tokens, temperature, top_p, top_k)
+    return config
 
-    if budget is not None and compression_ratio is not None:
-        raise ValueError("give either a budget or a compression ratio, not both")
-    if compression_ratio is not None:
-        budget_for_ratio(compression_ratio, 1)  # raises for a ratio <= 1
-    size = None if compression_ratio is not None else (DEFAULT_BUDGET if budget is None else budget)
-    check_sizes(size, buffer, sinks, window)
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+
+def check_decoding(
+    max_new_tokens: int = 512, min_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0
+) -> None:
+    """The decoding options: token counts and sampling (see :func:`check_sampling`).
+
+    Raises:
+        ValueError: max_new_tokens < 1, min_new_tokens outside [0, max_new_tokens], or a sampling value out of range.
+    """
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
-    if not _is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
+    if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
         raise ValueError(f"min_new_tokens must be in [0, max_new_tokens = {max_new_tokens}], got {min_new_tokens!r}")
     check_sampling(temperature, top_p, top_k)
-    built = make_policy(policy, **policy_options)  # an unknown policy or option: the message lists the valid ones
-    recent_window(built, size, buffer, sinks)
-    if built.published and compression_ratio is None:
-        check_published(built, DEFAULT_BUDGET if budget is None else budget, buffer, window or buffer)
-    if built.sparse is not None:  # quest: the budget must cover the pages it always attends
-        built.sparse.check(size, sinks)
-    if compile:
-        check_compileable_policy(built)
-
-
-def compile_config(device: torch.device | str, backend: str = "inductor"):
-    """transformers' ``CompileConfig`` for compiled decode steps on ``device``: the whole step as one graph
-    (``fullgraph``), fixed shapes, CUDA graphs on a GPU (mode 'reduce-overhead'), plain inductor code elsewhere; set
-    to compile on any device (transformers compiles on GPUs only unless told)."""
-    from transformers import CompileConfig
-
-    cuda = torch.device(device).type == "cuda"
-    config = CompileConfig(
-        fullgraph=True, dynamic=False, backend=backend, mode="reduce-overhead" if cuda else "default"
-    )
-    config._compile_all_devices = True
-    return config
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -112,7 +98,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
 
 
@@ -227,6 +213,7 @@ def generate(
     system: str | None = None,
     streamer=None,
     compile: bool = False,
+    config: VaseConfig | None = None,
     **policy_options,
 ) -> GenerationResult:
     """Generate from ``prompts`` with an :class:`~vase.EvictingCache`.
@@ -240,9 +227,11 @@ def generate(
         seed: keys eviction sampling (row i uses ``seed + i``, or one seed per row) and token sampling.
         temperature: 0 = greedy; > 0 samples with ``top_p`` / ``top_k`` (reasoning models: 0.6 / 0.95 / 20).
         streamer: a transformers streamer (e.g. ``TextStreamer``) to see text as it is generated (batch 1).
-        compile: compile the decode steps (``torch.compile``, CUDA graphs on a GPU; see "Compiled decoding" in
-            :class:`~vase.EvictingCache`): the first steps wait for the compilation (about a minute), the others
-            run one graph each; sdpa or eager attention, not quest, not hybrid models.
+        compile: compile the decode steps (``torch.compile``, CUDA graphs on a GPU; see :mod:`vase.hf.compiled`):
+            the first steps wait for the compilation (about a minute), the others run one graph each; sdpa or eager
+            attention, not quest, not hybrid models.
+        config: a :class:`vase.VaseConfig` (from :func:`check_options` or :meth:`vase.VaseConfig.resolve`) instead of
+            the policy and size arguments, which then stay at their defaults.
 
     Raises:
         ValueError: empty prompt, a prompt longer than the model's context, or an option out of range (see
@@ -250,21 +239,29 @@ def generate(
     """
     if isinstance(prompts, str):
         prompts = [prompts]
-    check_options(
-        policy=policy,
-        budget=budget,
-        compression_ratio=compression_ratio,
-        buffer=buffer,
-        sinks=sinks,
-        window=window,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        compile=compile,
-        **policy_options,
-    )
+    if config is None:
+        config = check_options(
+            policy=policy,
+            budget=budget,
+            compression_ratio=compression_ratio,
+            buffer=buffer,
+            sinks=sinks,
+            window=window,
+            compress_prompt=compress_prompt,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            compile=compile,
+            **policy_options,
+        )
+    else:
+        given = (policy, budget, compression_ratio, buffer, sinks, window, compress_prompt, compile)
+        if policy_options or given != ("vase", None, None, 64, 4, None, True, False):
+            raise ValueError("give either config= or the policy and size arguments, not both")
+        check_decoding(max_new_tokens, min_new_tokens, temperature, top_p, top_k)
+    compile = config.compile
     enc = encode_prompts(tokenizer, prompts, chat=chat, system=system)
     device = next(model.parameters()).device
     enc = enc.to(device)
@@ -278,25 +275,15 @@ def generate(
             stacklevel=2,
         )
         max_new_tokens = context - prompt_len
-    if compression_ratio is not None:
-        published = make_policy(policy, **policy_options).published  # the published method: multiples of the buffer
-        budget = ratio_budget(prompt_len + max_new_tokens, compression_ratio, buffer, sinks, published)
-    elif budget is None:
-        budget = DEFAULT_BUDGET
+    config = config.for_length(prompt_len + max_new_tokens)  # a ratio's budget (the published preset: to the buffer)
     batch = len(prompts)
     row_seeds = list(seed) if not isinstance(seed, int) else [seed + i for i in range(batch)]
     cache = EvictingCache(
         model,
-        policy=policy,
-        budget=budget,
-        buffer=buffer,
-        sinks=sinks,
-        window=window,
+        config=config,
         seed=row_seeds,
-        compress_prompt=compress_prompt,
         compileable=compile,
         max_cache_len=prompt_len + max_new_tokens + 1 if compile else None,
-        **policy_options,
     )
     sampling = temperature > 0
     gen_kwargs = dict(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import mask_in_kind
+from .masks import mask_in_kind
 
 FLOOR_SHARE = 0.2
 PYRAMID_BETA = 20.0
@@ -47,7 +47,7 @@ def head_counts(
     Every head first gets ``floor(floor_share * n_choose)`` (its best candidates); the remaining
     ``H * (n_choose - floor)`` go to the best remaining candidates of the whole layer, one top-k over all heads,
     without giving any head more than ``cap`` in total. The scores must be comparable across heads (attention
-    weights, or the value-aware weights of :func:`vase.scoring.weight_by_value`, which keep each head's attention
+    weights, or the value-aware weights of :func:`vase.core.scoring.weight_by_value`, which keep each head's attention
     mass). Ties are broken by head, then slot (earlier first).
 
     Args:
@@ -172,6 +172,26 @@ def layout(options: dict, budget: int, layers: int, fixed: int) -> tuple[list[in
             f"{max(per_layer) / budget:.3g}"
         )
     return per_layer, (cap if adakv else max(per_layer))
+
+
+def check_cap(options: dict, budget: int, fixed: int) -> None:
+    """The check of :func:`layout` that needs no layer count, for a configuration validated before the model is
+    known: with PyramidKV, the first layer of any model of two or more layers keeps at least ``fixed +
+    floor(2 * mean - mean / beta)`` tokens (``mean = budget - fixed``), which ``budget_cap`` must allow.
+
+    Raises:
+        ValueError: as :func:`layout`, when no layer count could fit.
+    """
+    if options.get("layer_budget", "uniform") != "pyramid" or budget <= fixed:
+        return
+    mean = budget - fixed
+    first = fixed + int(2 * mean - mean / float(options.get("pyramid_beta", PYRAMID_BETA)))
+    cap = int(float(options.get("budget_cap", BUDGET_CAP)) * budget)
+    if first > cap:
+        raise ValueError(
+            f"budget_cap {options.get('budget_cap')} allows {cap} tokens per head, but the pyramid gives its first "
+            f"layer at least {first} (budget {budget}): raise budget_cap to at least {first / budget:.3g}"
+        )
 
 
 def check_head_budgets_supported(attn_implementation: str) -> None:

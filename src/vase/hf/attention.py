@@ -5,11 +5,11 @@ model's current implementation (``sdpa``, ``eager``, ``flash_attention_2``/``3``
 registers a forward pre-hook on the decoder that hands the 2-D padding mask to an :class:`~vase.EvictingCache`. No
 model code is copied and no forward is patched.
 
-When the keys handed to the wrapper come from an :class:`~vase.cache.EvictingLayer` update (checked by identity), the
+When the keys handed to the wrapper come from an :class:`~vase.hf.cache.EvictingLayer` update (checked by identity), the
 wrapper (1) saves the queries in that layer's ring, (2) passes a mask over the physical slots instead of the logical
 one, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache (or none) it
 calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``. The kept
-layers of a hybrid model (sliding window; see :mod:`vase.hybrid`) are marked by the cache's ``update`` as passed
+layers of a hybrid model (sliding window; see :mod:`vase.hf.hybrid`) are marked by the cache's ``update`` as passed
 through: the wrapper calls the base function with transformers' own mask and every keyword the model gives (gpt-oss's
 ``s_aux`` sinks, Gemma's ``scaling`` and ``softcap``, ``sliding_window``).
 
@@ -35,6 +35,8 @@ import threading
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from ..core.masks import mask_in_kind  # noqa: F401  (re-exported: the integration's mask helper)
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _MASK_KIND = {"sdpa": "bool", "eager": "additive", "flash_attention_2": "padding", "flash_attention_3": "padding"}
@@ -77,14 +79,6 @@ def mask_for(evicting: bool, override=None) -> None:
     compiled decode step, or the 2-D padding mask itself before the prefill (so vase's pre-hook still gets it)."""
     _forward.mask_evicting = evicting
     _forward.mask_override = override
-
-
-def mask_in_kind(m: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """A bool attention mask (True = attend) in the form the base function takes: itself for sdpa ('bool'), 0 /
-    ``dtype``'s minimum for eager ('additive')."""
-    if kind != "additive":
-        return m
-    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
 
 
 def _take(key: torch.Tensor):
@@ -143,7 +137,7 @@ def _make_wrapper(base: str):
         return out
 
     vase_attention.__name__ = f"vase_{base}_attention"
-    vase_attention.__doc__ = f"vase wrapper around transformers' {base!r} attention (see vase.attention)."
+    vase_attention.__doc__ = f"vase wrapper around transformers' {base!r} attention (see vase.hf.attention)."
     return vase_attention
 
 
@@ -166,7 +160,8 @@ def _make_mask_function(base: str):
 
     vase_mask.__name__ = f"vase_{base}_mask"
     vase_mask.__doc__ = (
-        f"transformers' {base!r} mask; None for an evicting layer in a forward with an EvictingCache (vase.attention)."
+        f"transformers' {base!r} mask; None for an evicting layer in a forward with an EvictingCache "
+        "(vase.hf.attention)."
     )
     return vase_mask
 

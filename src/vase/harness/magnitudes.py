@@ -21,11 +21,11 @@ def collect_kv(
     """Token ids, and per full-attention layer the keys and values ``[kv_heads, T, head_dim]`` (float32, post-RoPE
     keys) of ``text`` through the chat template, optionally followed by ``generate_tokens`` greedy tokens (full
     cache), with those layers' indices in the model. A hybrid model's sliding-window and linear-attention layers,
-    which vase does not evict (:mod:`vase.hybrid`), are left out."""
+    which vase does not evict (:mod:`vase.hf.hybrid`), are left out."""
     from transformers import DynamicCache
 
+    from ..hf.hybrid import plan_layers
     from .generation import encode_prompts
-    from .hybrid import plan_layers
 
     enc = encode_prompts(lm.tokenizer, [text]).to(lm.device)
     ids = enc["input_ids"]

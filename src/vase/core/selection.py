@@ -152,8 +152,8 @@ class Sample(Selector):
     to the score, as the paper; -> 0 approaches top-k). It is not the reference code's ``temperature``, which divides
     the attention logits (the option ``attention_temperature`` of window-attention scorers).
 
-    Implemented as Gumbel-top-k: ``log(score) / temperature + Gumbel``; the noise comes from :mod:`vase.rng`, keyed on
-    the row's seed, the layer, the row's eviction count, the head and the token's position. Scores <= 0 are never
+    Implemented as Gumbel-top-k: ``log(score) / temperature + Gumbel``; the noise comes from :mod:`vase.core.rng`, keyed
+    on the row's seed, the layer, the row's eviction count, the head and the token's position. Scores <= 0 are never
     drawn before a positive one. The order of the kept slots by decreasing key is a valid draw order of sequential
     sampling without replacement (``torch.multinomial(..., replacement=False)``).
 
@@ -242,11 +242,11 @@ def select(
     Args:
         ctx: the eviction context (``ctx.candidates`` are the slots the policy chooses among).
         keep: ``[b]`` int64, slots to keep per row (``<=`` its valid count), or ``[b, H]`` per (row, KV head)
-            (adaptive per-head budgets, :mod:`vase.budgets`).
+            (adaptive per-head budgets, :mod:`vase.core.budgets`).
         kmax: at least ``max(keep)``, as a Python int (the width of the returned indices).
         forced: ``[b, S]`` (or per head ``[b, H, S]``) bool sinks and recent window.
         allocate: optional ``allocate(ctx, scores, keep) -> [b, H]``: the per-head counts to keep, from the
-            policy's scores ``[b, H, S]`` and ``keep`` (AdaKV, :func:`vase.budgets.head_counts`); used instead of
+            policy's scores ``[b, H, S]`` and ``keep`` (AdaKV, :func:`vase.core.budgets.head_counts`); used instead of
             ``keep``.
     Returns:
         A :class:`Selection` (``keep`` holds the counts used).

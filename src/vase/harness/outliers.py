@@ -8,7 +8,7 @@ head_dim) is ``scale`` times the head's median range. Keys (so attention weights
 same way whatever cache the model uses, so the full-cache reference and the policies see the same model.
 
 Positions are logical positions in the sequence (``cache.get_seq_length()`` at the start of each forward, plus the
-index of the token in the step). Meant for batch-1 replays (:func:`vase.fidelity.replay`).
+index of the token in the step). Meant for batch-1 replays (:func:`vase.harness.fidelity.replay`).
 """
 
 from __future__ import annotations

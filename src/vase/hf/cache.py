@@ -1,0 +1,342 @@
+"""The evicting KV cache: a ``transformers`` :class:`~transformers.Cache` with a static footprint.
+
+Per layer, keys and values live in buffers ``[batch, kv_heads, budget + buffer, head_dim]`` allocated once, in the
+model's dtype and on its device; they never move or grow while generating (VaSE, arXiv 2606.03928, Sec. 3.3).
+
+The parts, one module each: the layers' slot storage and compaction (:mod:`vase.hf.layer`, choosing through the
+eviction core :func:`vase.core.evict.evict_layer`), the saved queries (:mod:`vase.hf.queries`), the eviction schedule
+(:mod:`vase.hf.schedule`), the compiled-decode path (:mod:`vase.hf.compiled`), the attention hooks and masks
+(:mod:`vase.hf.attention`), the hybrid layers (:mod:`vase.hf.hybrid`) and the statistics (:mod:`vase.hf.stats`).
+
+Hybrid models (gpt-oss, Gemma 3, OLMo 3, Qwen3-Next, Qwen3.5): only the full-attention layers are evicting layers;
+the sliding-window and linear-attention layers are transformers' own cache layers, built as ``DynamicCache(config=...)``
+builds them, in the same cache object.
+
+Adaptive budgets (policy options ``head_budget='adakv'``, ``layer_budget='pyramid'``; :mod:`vase.core.budgets`):
+heads and layers keep different counts while the schedule stays shared. Every (layer, KV head) has ``slots`` physical
+slots for kept tokens (``budget_cap * budget`` with AdaKV, the largest layer budget with PyramidKV alone); a
+compaction leaves every row at fill ``slots``, a head keeping ``n`` holding its tokens at ``[0, n)`` and dead slots
+(position -1) at ``[n, slots)``; the row next evicts at ``slots + buffer``, that is ``buffer`` tokens later as in the
+uniform case. Dead slots are masked per head in attention (``[B, q_heads, q, kv_len]``, sdpa and eager;
+flash-attention is refused at creation) and left out of the next eviction. The first eviction still comes at ``budget
++ buffer`` tokens. The buffers are allocated for ``slots + buffer``: ``stats().bytes_held`` is that,
+``stats().bytes_live`` what attention reads.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..core import budgets
+from ..core.config import DEFAULT_BUDGET, DEFAULT_BUFFER, DEFAULT_SINKS, VaseConfig, is_int
+from ..core.policy import Policy
+from . import attention as attn
+from . import hybrid
+from .compiled import CompiledDecodeMixin, check_compileable
+from .layer import EvictingLayer
+from .schedule import ScheduleMixin
+from .stats import CacheStats
+from .step import StepPlan
+
+SUPPORTED_LAYER_TYPES = hybrid.EVICTING_LAYER_TYPES + hybrid.KEPT_LAYER_TYPES
+
+
+def check_seed(seed) -> None:
+    """Raises a clear ValueError unless ``seed`` is an int or a non-empty list of ints (one per row)."""
+    if isinstance(seed, (list, tuple)):
+        if not seed or not all(is_int(s) for s in seed):
+            raise ValueError(f"seed must be an int or a non-empty list of ints, got {seed!r}")
+    elif not is_int(seed):
+        raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
+
+
+class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
+    """A KV cache held at ``budget + buffer`` tokens per layer by an eviction policy.
+
+    Example::
+
+        cache = vase.EvictingCache(model, policy="vase", budget=1024)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)   # or cache=cache
+        print(cache.stats().line())
+
+    Creating the cache installs vase's attention function on ``model`` (:func:`vase.hf.attention.install`): it saves
+    the post-RoPE queries for scoring, then calls the model's own sdpa / eager / flash_attention_2 function with a
+    mask over physical slots. The kept layers of a hybrid model get transformers' own mask and attention, unchanged
+    (learned sinks, soft-capping, sliding windows, per-layer RoPE all stay the model's). Scoring recomputes attention
+    from saved queries with the layer's own ``scaling`` (Gemma's ``query_pre_attn_scalar``, Gemma 4's 1.0), but
+    without gpt-oss's learned sinks or a logit soft-cap. Neither changes the order of one query's weights over the
+    keys (a soft-cap is increasing in the logit; a sink only adds to the softmax denominator), only their scale, hence
+    how much each saved query counts in the mean over the window; the model's attention applies both.
+
+    Args:
+        model: a ``transformers`` causal LM: full-attention layers (Llama, Qwen3, DeepSeek-R1-Distill, ...), or a
+            hybrid model whose other layers are sliding-window or linear attention (gpt-oss, Gemma 3, OLMo 3,
+            Qwen3-Next, Qwen3.5): only the full-attention layers evict; the others keep the state transformers'
+            default cache gives them, in the same cache object (see :mod:`vase.hf.hybrid`).
+        policy: a policy name (see :data:`vase.POLICY_NAMES`) or a built :class:`vase.Policy`.
+        budget: tokens kept per (row, layer, KV head) after each eviction (on average over the heads and layers with
+            the policy options ``head_budget='adakv'`` / ``layer_budget='pyramid'``, at most ``budget_cap`` x budget
+            each; the buffers then hold ``budget_cap`` x budget + buffer slots per head, see the module docstring);
+            for the selection policy ``quest``, which keeps every token, the tokens each query attends to (see
+            :mod:`vase.core.pages`).
+        buffer: recent window in tokens, always kept; the cache is compacted every ``buffer`` decode steps. The
+            policy option ``recent`` keeps another count of newest tokens instead (see
+            :func:`vase.core.config.recent_window`).
+        sinks: first tokens of each row always kept (attention sinks), default 4.
+        window: saved queries per layer for attention-based scorers (default: the policy's window; the buffer for
+            the published preset).
+        seed: int (row ``b`` uses ``seed + b``) or one int per row: keys the random choices of each row.
+        compress_prompt: compress a prompt longer than the budget at prefill; False keeps it dense until the first
+            eviction, as the paper's code does: the first eviction then comes at the first multiple of ``buffer``
+            tokens above the prompt (and at least at ``budget + buffer``). Default: the policy's option ``prompt``
+            ('compress' unless the policy says 'dense', as ``preset='paper'`` does).
+        record_evictions: keep the details of each layer's last eviction in ``layer.last_eviction`` (tests,
+            inspection; ``n_protect`` is the guard's count or cap, ``n_protected`` ``[rows, KV heads]`` how many
+            each head protected).
+        profile: synchronize the GPU around evictions so ``eviction_seconds`` is exact (slower).
+        compileable: decode steps as fixed-shape graphs for ``torch.compile`` / CUDA graphs (see "Compiled
+            decoding" below); ``is_compileable`` is then True.
+        max_cache_len: with ``compileable``, for a policy that never evicts (``full``): tokens its buffers hold
+            from the start (prompt + new tokens + 1), so they never grow (a growth means a new graph).
+        config: a resolved :class:`vase.VaseConfig` instead of the policy and size arguments (which then stay at
+            their defaults); its budget must be fixed (a ratio: ``config.for_length(prompt + new tokens)``).
+        **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
+            temperature, lam, rank, head_budget, layer_budget, budget_cap; see :func:`vase.make_policy`).
+
+    Compiled decoding (``compileable=True``, :mod:`vase.hf.compiled`): a decode step (one token per row, after the
+    first forward) is a fixed-shape graph; the eager part (eviction, bookkeeping) runs before it in
+    :meth:`prepare_decode`. Greedy outputs equal the uncompiled cache's token for token (``tests/test_compile.py``).
+    Not for flash-attention, hybrid models or ``quest`` (clear errors).
+
+    Raises:
+        ValueError: budget not larger than sinks + buffer, buffer < 1, sinks < 0, window < 1, an unknown policy
+            or policy option, protected share outside [0, 1), sampling temperature <= 0, for the published preset
+            (``preset='paper'``) a budget that is not a multiple of the buffer or a window other than the buffer,
+            a model with a layer kind vase cannot hold (see :func:`check_model_supported`), adaptive budgets with an
+            attention other than sdpa or eager (flash-attention has no per-head mask) or a ``budget_cap`` below the
+            first layer's pyramid budget, for ``quest`` a budget below its forced pages or a flash-attention model,
+            or, at the first forward, keys of another shape than the model's, a cache reused for another model or
+            batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens it holds; with
+            ``compileable``, see :func:`vase.hf.compiled.check_compileable`; ``config`` together with policy or size
+            arguments, or a ``config`` whose budget waits for a ratio.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy = "vase",
+        budget: int | None = None,
+        buffer: int = DEFAULT_BUFFER,
+        sinks: int = DEFAULT_SINKS,
+        window: int | None = None,
+        seed: int | Sequence[int] = 0,
+        compress_prompt: bool | None = None,
+        record_evictions: bool = False,
+        profile: bool = False,
+        compileable: bool = False,
+        max_cache_len: int | None = None,
+        config: VaseConfig | None = None,
+        **policy_options,
+    ):
+        if config is None:
+            config = VaseConfig.resolve(
+                policy,
+                budget=DEFAULT_BUDGET if budget is None else budget,
+                buffer=buffer,
+                sinks=sinks,
+                window=window,
+                compress_prompt=compress_prompt,
+                compile=compileable,
+                **policy_options,
+            )
+        else:
+            given = (policy, budget, buffer, sinks, window, compress_prompt)
+            if policy_options or given != ("vase", None, DEFAULT_BUFFER, DEFAULT_SINKS, None, None):
+                raise ValueError("give either config= or the policy and size arguments, not both")
+            if config.budget is None:
+                raise ValueError(
+                    f"this configuration has a compression ratio ({config.ratio:g}x) but no budget yet: pass "
+                    "config.for_length(prompt + new tokens)"
+                )
+        check_seed(seed)
+        text_config = model.config.get_text_config(decoder=True)
+        check_model_supported(text_config)
+        self.config = config
+        self.policy = config.policy
+        self.budget, self.buffer, self.sinks = config.budget, config.buffer, config.sinks
+        self.recent, self.window, self.compress_prompt = config.recent, config.window, config.compress_prompt
+        self.seed = seed
+        if self.policy.sparse is not None:
+            self.policy.sparse.check(self.budget, self.sinks, attn.base_implementation(model))
+        self.record_evictions = record_evictions
+        self.profile = profile
+        # One entry per decoder layer: full-attention layers evict, the others (sliding window, linear attention) are
+        # transformers' own layer classes, as in DynamicCache(config=...) (see vase.hf.hybrid).
+        self._plan = hybrid.plan_layers(text_config)
+        self._evicting = [p.index for p in self._plan if p.evicts]
+        first = self._plan[self._evicting[0]]
+        self.num_kv_heads, self.head_dim = first.kv_heads, first.head_dim
+        self.num_layers = len(self._evicting)  # evicting layers: a forward pass is done when all of them are
+        # adaptive budgets (policy options head_budget / layer_budget): the budget of each evicting layer (by model
+        # layer index; PyramidKV's depth runs over the evicting layers) and the physical slots per (layer, KV head)
+        # for kept tokens; uniform: every layer keeps `budget` in `budget` slots
+        per_layer, self.slots = config.layout(self.num_layers)
+        self.layer_budgets = dict(zip(self._evicting, per_layer))
+        self.adaptive = self.policy.adaptive_budgets
+        self.adakv = self.adaptive and self.policy.options.get("head_budget") == "adakv"
+        if self.adaptive:
+            budgets.check_head_budgets_supported(attn.base_implementation(model))
+        self.compileable = bool(compileable) or config.compile
+        self.max_cache_len = max_cache_len
+        if self.compileable:
+            check_compileable(self.policy, self._plan, attn.base_implementation(model), max_cache_len)
+        self._model_ref = weakref.ref(model)
+        layers = [EvictingLayer(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
+        super().__init__(layers=layers)
+        attn.install(model)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.batch: int | None = None
+        self.capacity: int | None = None
+        self._row_limit: list[int] = []
+        self._fill: list[int] = []
+        self._seen = 0
+        self._real: list[int] = []
+        self._row_evictions: list[int] = []
+        self._evictions = 0
+        self._tokens_evicted = 0
+        self._eviction_seconds = 0.0
+        self._protected: torch.Tensor | int = 0
+        self._row_keys: torch.Tensor | None = None
+        self._step: StepPlan | None = None
+        self._pending_mask: torch.Tensor | None = None
+        # compiled decoding (compileable=True): see "Compiled decoding" in the class docstring
+        self._decode_ok = False  # decode steps take the static path (compileable, after the first forward)
+        self._phase = "idle"  # 'planned' by prepare_decode, 'ran' after the step, 'idle' once flushed
+        self._static_step: StepPlan | None = None
+        self._static_forward = False
+        self._counters_synced = False
+        self._fill_t = self._real_t = self._seen_t = self._qnext_t = self._slot_ids = None
+
+    def reset(self) -> None:
+        """Empty the cache so it can be used again (any batch size) with the same model."""
+        for p in self._plan:
+            if p.evicts:
+                self.layers[p.index].reset()
+            else:  # transformers' reset zeroes a layer's tensors in place (same batch size): start afresh instead
+                self.layers[p.index] = hybrid.kept_layer(p)
+        self._clear()
+
+    # ------------------------------------------------------------------------------------------ Cache protocol
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The model's cache update for layer ``layer_idx``: an evicting layer (see :meth:`EvictingLayer.update`), or
+        a kept layer of a hybrid model, whose returned keys vase's attention function then passes through unchanged
+        with transformers' own mask."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not self._plan[layer_idx].evicts:
+            attn.pass_through(keys)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Logical length: tokens seen so far (padding columns included), as RoPE positions need (inside a compiled
+        decode step: a 0-d int64 device tensor, so the graph does not depend on the value)."""
+        if torch.compiler.is_compiling() and self._decode_ok:
+            return self._seen_t
+        self._flush()
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Sizes of the mask transformers builds for ``layer_idx``: logical ones for an evicting layer (vase's attention
+        function replaces that mask by its own over physical slots, so none is built), the layer's own for a kept
+        sliding-window layer (its usual mask is built and used)."""
+        evicts = not isinstance(self.layers[layer_idx], CacheLayerMixin) or self._plan[layer_idx].evicts
+        if self._decode_ok and query_length == 1:
+            if torch.compiler.is_compiling():  # inside a compiled step (a hand-written loop): no mask is built
+                attn.mask_for(True)
+                return self.capacity, 0
+            if not attn.evicting_forward():
+                # transformers' mask creation before a compiled decode step (model.generate with a compileable
+                # cache): the eager part of the step runs now, and the mask handed to the graph is vase's own
+                self.prepare_decode()
+                attn.mask_for(True, override=self._eager_mask)
+                return self.capacity, 0
+        if self.compileable and not attn.evicting_forward() and evicts:
+            # the same mask creation before the (uncompiled) prefill: keep the 2-D padding mask for vase's pre-hook
+            attn.mask_for(True, override=lambda kind, dtype, kwargs: kwargs.get("attention_mask"))
+            return self._seen + query_length, 0
+        attn.mask_for(evicts)
+        if evicts:
+            return self._seen + query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    @property
+    def is_compileable(self) -> bool:
+        """True for a cache made with ``compileable=True``: ``model.generate(..., compile_config=...)`` then compiles
+        its decode steps (see "Compiled decoding" in the class docstring)."""
+        return self.compileable
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def fill(self) -> list[int]:
+        """Filled slots of each row (tokens)."""
+        self._flush()
+        return list(self._fill)
+
+    def stats(self) -> CacheStats:
+        """Current :class:`CacheStats` (bytes: see its attributes; the kept layers of a hybrid model count in both
+        ``bytes_held`` and ``bytes_full``)."""
+        self._flush()
+        held = full = other = live = 0
+        for p in self._plan:
+            layer = self.layers[p.index]
+            if not p.evicts:
+                other += hybrid.state_bytes(layer)
+            elif layer.is_initialized:
+                held += hybrid.state_bytes(layer)
+                held += layer.pages.nbytes if layer.pages is not None else 0  # quest's page metadata
+                b, h = layer.keys.shape[:2]
+                entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                full += b * h * self._seen * entry
+                live += int((layer.positions >= 0).sum()) * entry
+        held += other
+        full += other
+        batch = self.batch or 0
+        return CacheStats(
+            policy=self.policy.name,
+            budget=self.budget,
+            buffer=self.buffer,
+            batch=batch,
+            layers=self.num_layers,
+            tokens_seen=self._seen,
+            real_tokens=list(self._real),
+            slots_held=max(self._fill, default=0),
+            capacity=self.capacity or 0,
+            evictions=self._evictions,
+            tokens_evicted=self._tokens_evicted,
+            bytes_held=held,
+            bytes_full=full,
+            eviction_seconds=self._eviction_seconds,
+            protected=int(self._protected),
+            other_layers=len(self._plan) - len(self._evicting),
+            bytes_other=other,
+            bytes_live=live,
+        )
+
+
+def check_model_supported(config) -> None:
+    """Raise a clear ValueError if ``config`` (a decoder config) has layers an :class:`EvictingCache` cannot hold.
+
+    Full-attention layers are evicted; sliding-window and linear-attention layers (gpt-oss, Gemma 3, OLMo 3,
+    Qwen3-Next, Qwen3.5) are kept as transformers' default cache holds them. Refused, with the reason: chunked
+    attention, short-convolution and combined linear/attention layers, sparse-indexer layers, KV sharing between
+    layers, and models without any full-attention layer (see :func:`vase.hf.hybrid.plan_layers`).
+    """
+    hybrid.plan_layers(config)

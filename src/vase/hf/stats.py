@@ -1,0 +1,77 @@
+"""What an :class:`~vase.EvictingCache` holds and has done: :class:`CacheStats`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheStats:
+    """What a cache holds and has done, for a user to read after a run.
+
+    Attributes:
+        policy: policy name.
+        budget, buffer: tokens.
+        batch: batch rows.
+        layers: evicting (full-attention) layers.
+        tokens_seen: logical length (tokens per row, padding columns included).
+        real_tokens: real (non-padding) tokens seen by each row.
+        slots_held: largest number of filled slots of a row, right now (tokens; with adaptive budgets the dead slots
+            of heads keeping fewer than the cap count too).
+        capacity: slots allocated per row and layer (tokens).
+        evictions: forward passes in which at least one row evicted.
+        tokens_evicted: tokens dropped, summed over rows (each counted once, not per layer).
+        bytes_held: bytes held now, all layers: the key/value buffers allocated for the evicting layers, plus the
+            state the other layers of a hybrid model hold (``bytes_other``); with the page metadata of ``quest``.
+        bytes_full: bytes the model's default cache (``DynamicCache(config=...)``) would hold for the same tokens:
+            the full-attention layers' keys and values for every token seen (padding columns included), plus
+            ``bytes_other`` (the other layers' state is the default cache's own). With adaptive budgets the evicting
+            buffers are allocated for the cap (``budget_cap`` x budget + buffer slots per head), so ``bytes_held`` is
+            more than the budget's bytes.
+        eviction_seconds: wall time spent scoring, selecting and compacting (seconds).
+        protected: value slots the guard protected (or, with ``guard_mode='evict'``, demoted), summed over evictions,
+            layers, rows and KV heads (0 without a guard); with ``guard_rule='outlier'`` the count varies per head.
+        other_layers: layers of a hybrid model kept as transformers holds them (sliding-window, linear attention).
+        bytes_other: bytes those layers hold now (keys/values of a sliding window, convolution and recurrent states).
+        bytes_live: bytes of the evicting layers' key/value entries holding a token right now: what attention reads
+            there (below their buffers by the free slots and, with adaptive budgets, the dead ones).
+    """
+
+    policy: str
+    budget: int
+    buffer: int
+    batch: int
+    layers: int
+    tokens_seen: int
+    real_tokens: list[int]
+    slots_held: int
+    capacity: int
+    evictions: int
+    tokens_evicted: int
+    bytes_held: int
+    bytes_full: int
+    eviction_seconds: float
+    protected: int = 0
+    other_layers: int = 0
+    bytes_other: int = 0
+    bytes_live: int = 0
+
+    @property
+    def compression(self) -> float:
+        """Full-cache bytes over bytes held (>1 means savings)."""
+        return self.bytes_full / self.bytes_held if self.bytes_held else 1.0
+
+    def line(self) -> str:
+        """A one-line human summary (hybrid models: what the kept layers hold, counted in both totals, too)."""
+        mib = 2.0**20
+        kept = (
+            f" (each incl. {self.bytes_other / mib:.1f} MiB in {self.other_layers} sliding/linear layers)"
+            if self.other_layers
+            else ""
+        )
+        return (
+            f"policy {self.policy}, budget {self.budget}+{self.buffer}: {self.evictions} evictions, "
+            f"{self.tokens_seen} tokens seen, {self.slots_held}/{self.capacity} slots held, "
+            f"KV {self.bytes_held / mib:.1f} MiB vs full {self.bytes_full / mib:.1f} MiB ({self.compression:.2f}x)"
+            f"{kept}"
+        )
