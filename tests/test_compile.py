@@ -269,3 +269,41 @@ def test_compiled_decode_no_sync_on_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert cache.stats().evictions >= 5
+
+
+def _aot_eager_config(device, backend="inductor"):
+    return vase.compile_config(device, backend="aot_eager")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"policy": "full", "budget": 48},
+        {"policy": "vase", "compression_ratio": 4},
+        {"policy": "vase", "budget": 24, "compress_prompt": False},  # dense prompt: capacity follows the prompt
+    ],
+    ids=["full", "ratio", "dense"],
+)
+def test_many_prompt_lengths_compile_few_graphs(monkeypatch, options):
+    """20 prompt lengths in one process through ``vase.generate(..., compile=True)`` (fullgraph): tokens equal the
+    uncompiled run's, and the graphs stay within the README's bound, one per power of two of the buffers' slots
+    (plus the budget's own shape), instead of one per prompt length (the ninth raised FailOnRecompileLimitHit)."""
+    from vase.core.config import compiled_capacity
+    from vase.harness import generation
+
+    from .conftest import TinyTokenizer
+
+    monkeypatch.setattr(generation, "compile_config", _aot_eager_config)
+    model, tok = fresh_model("llama"), TinyTokenizer()
+    lengths = [10 + round(2.6 * i) for i in range(20)]  # 10 .. 59 tokens
+    before, shapes = graphs(), set()
+    for n in lengths:
+        kwargs = dict(buffer=16, max_new_tokens=30, min_new_tokens=30, chat=False, **options)
+        ref = vase.generate(model, tok, ["x" * n], **kwargs)
+        out = vase.generate(model, tok, ["x" * n], compile=True, **kwargs)
+        assert out.completions[0].token_ids == ref.completions[0].token_ids
+        assert out.stats.evictions == ref.stats.evictions
+        shapes.add(out.stats.capacity)
+    assert all(c == compiled_capacity(c) or c == 40 for c in shapes)  # powers of two, or the budget's own 24 + 16
+    assert graphs() - before <= len(shapes) <= 2
+

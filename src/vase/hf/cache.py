@@ -284,6 +284,24 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
     def is_croppable(self) -> bool:
         return False
 
+    def activate_past_recording(self) -> None:
+        """Refuse assisted / speculative decoding before any token is fed.
+
+        transformers calls this at the start of assisted decoding (``model.generate(..., assistant_model=...)`` or
+        ``prompt_lookup_num_tokens=...``), before its first forward: it would then feed prompt + draft tokens and crop
+        the rejected ones afterwards, which an evicting cache cannot undo (a compaction may already have dropped what
+        the crop should restore). Raising here leaves the cache untouched (nothing fed, the kept sliding-window
+        layers of a hybrid model not switched to past-recording), so it can be used again as it is.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(
+            "assisted and speculative decoding (assistant_model=..., prompt_lookup_num_tokens=...) are not supported "
+            "with an EvictingCache: they feed draft tokens and crop the rejected ones afterwards, and a cache that "
+            "evicts cannot restore what a crop needs. Generate without them (the cache is left untouched)"
+        )
+
     @property
     def fill(self) -> list[int]:
         """Filled slots of each row (tokens)."""

@@ -34,11 +34,24 @@ if TYPE_CHECKING:
     from .layer import EvictingLayer
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs torch may compile for one decode step (:func:`compile_config` raises dynamo's ``recompile_limit``, 8 by
+default, to this): one per batch size and buffer shape, and the buffer shapes that follow the prompt are powers of
+two (:func:`vase.core.config.compiled_capacity`), so a process serving many prompt lengths and batch sizes stays
+below it."""
+
+
 def compile_config(device: torch.device | str, backend: str = "inductor"):
     """transformers' ``CompileConfig`` for compiled decode steps on ``device``: the whole step as one graph
     (``fullgraph``), fixed shapes, CUDA graphs on a GPU (mode 'reduce-overhead'), plain inductor code elsewhere; set
-    to compile on any device (transformers compiles on GPUs only unless told)."""
+    to compile on any device (transformers compiles on GPUs only unless told).
+
+    Also raises torch's limit of graphs per compiled function (``torch._dynamo.config.recompile_limit``) to at least
+    :data:`RECOMPILE_LIMIT`: with ``fullgraph=True`` the default 8 makes the ninth buffer shape in one process fail
+    (``FailOnRecompileLimitHit``) instead of compiling it."""
     from transformers import CompileConfig
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
     cuda = torch.device(device).type == "cuda"
     config = CompileConfig(

@@ -26,6 +26,7 @@ import torch
 from torch.profiler import record_function
 
 from ..core import rng
+from ..core.config import compiled_capacity
 from .step import StepPlan, upload
 
 if TYPE_CHECKING:
@@ -145,9 +146,9 @@ class ScheduleMixin:
             self._row_limit = [self._first_limit(cnt) for cnt in n]
             self.capacity = max(self._row_limit)
             if self.policy.evicts:  # after a compaction a row holds `slots` (> budget with adaptive budgets)
-                self.capacity = max(self.capacity, self.slots + self.buffer)
+                self.capacity = self._graph_capacity(max(self.capacity, self.slots + self.buffer))
             elif self.max_cache_len:  # a never-evicting policy with a known length: allocated once
-                self.capacity = max(self.capacity, self.max_cache_len)
+                self.capacity = self._graph_capacity(max(self.capacity, self.max_cache_len))
         if self.policy.evicts:
             limit = self._limits()
             evict_rows = [i for i, (cnt, lim) in enumerate(zip(n, limit)) if cnt >= lim]
@@ -155,7 +156,7 @@ class ScheduleMixin:
         else:
             evict_rows, keep = [], n
             if max(n) >= self.capacity:
-                self.capacity = max(n) + self.budget
+                self.capacity = self._graph_capacity(max(n) + self.budget)
         append = q == 1 and self.layers[self._evicting[0]].is_initialized
         uniform = new_valid is None and len(set(fill)) == 1
         self._step = StepPlan(
@@ -173,6 +174,16 @@ class ScheduleMixin:
             capacity=self.capacity,
         )
         return self._step
+
+    def _graph_capacity(self, needed: int) -> int:
+        """Slots to allocate for ``needed``: itself, except in compiled decoding when ``needed`` follows the prompt
+        (the ``full`` policy, a budget from a compression ratio, a dense prompt longer than the budget), where it is
+        rounded up to a power of two (:func:`vase.core.config.compiled_capacity`) so that one process compiles at
+        most one decode graph per power of two, whatever the prompt lengths."""
+        if not self.compileable:
+            return needed
+        fixed = self.slots + self.buffer if self.policy.evicts and self.config.ratio is None else 0
+        return needed if needed <= fixed else compiled_capacity(needed)
 
     def _first_limit(self, prompt: int) -> int:
         """Fill (tokens) at which a row holding ``prompt`` tokens after its prefill first evicts."""
