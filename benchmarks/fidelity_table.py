@@ -22,6 +22,9 @@ import json
 import statistics
 from pathlib import Path
 
+from vase.harness.stats import Paired, kl_text
+from vase.harness.stats import paired_diff as _paired_values
+
 
 def load(dirs: list[Path]) -> dict[tuple[str, float], dict[str, dict]]:
     """(policy, ratio) -> {source: record}; records without a ratio are keyed by budget (as a negative number)."""
@@ -42,21 +45,11 @@ def _size(s: float) -> str:
     return f"{s:g}x" if s > 0 else f"budget {int(-s)}"
 
 
-def kl_text(x: float, signed: bool = False) -> str:
-    """A KL (nats) for the tables: 4 decimals, or 2 significant digits below 1e-3 (where 2x differences live)."""
-    if x == 0 or abs(x) >= 1e-3:
-        return f"{x:+.4f}" if signed else f"{x:.4f}"
-    return f"{x:+.1e}" if signed else f"{x:.1e}"
-
-
-def paired_diff(mine: dict[str, dict], ref: dict[str, dict]) -> tuple[float, float, int, int] | None:
-    """Mean and standard error of ``mine - ref`` KL over the sources both have, their count, and on how many of
-    them ``mine`` is lower (None below 2 sources)."""
-    common = sorted(set(mine) & set(ref))
-    if len(common) < 2:
-        return None
-    d = [mine[k]["kl_mean"] - ref[k]["kl_mean"] for k in common]
-    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d), sum(x < 0 for x in d)
+def paired_diff(mine: dict[str, dict], ref: dict[str, dict]) -> Paired | None:
+    """``mine - ref`` KL over the sources both have ({source: record} each): mean, standard error, count, and on how
+    many of them ``mine`` is lower (:func:`vase.harness.stats.paired_diff`, the one used by ``vase report``; None below
+    2 sources)."""
+    return _paired_values({k: r["kl_mean"] for k, r in mine.items()}, {k: r["kl_mean"] for k, r in ref.items()})
 
 
 def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list[str]:
@@ -72,7 +65,7 @@ def paired(label: str, dirs: list[Path], policy: str, others: list[str]) -> list
             cells.append(
                 "-"
                 if diff is None
-                else f"{kl_text(diff[0], True)} ± {kl_text(diff[1])} (lower on {diff[3]} of {diff[2]})"
+                else f"{kl_text(diff.mean, True)} ± {kl_text(diff.se)} (lower on {diff.lower} of {diff.n})"
             )
         lines.append(f"| `{other}` | " + " | ".join(cells) + " |")
     return lines
@@ -119,8 +112,8 @@ def tables(label: str, dirs: list[Path], baselines: list[str]) -> tuple[list[str
             if diff is None:
                 cells.append("-")
                 continue
-            cells.append(f"{kl_text(diff[0], True)} ± {kl_text(diff[1])}")
-            ok[s] = (diff[0] <= 0, diff[0] <= diff[1])
+            cells.append(f"{kl_text(diff.mean, True)} ± {kl_text(diff.se)}")
+            ok[s] = (diff.mean <= 0, diff.within)
         goal[p] = ok
         full = len(ok) == len(sizes)
         strict = "yes" if full and all(a for a, _ in ok.values()) else "no"

@@ -450,11 +450,16 @@ def inspect(
 def report(
     results: Path = typer.Argument(..., help="results directory of `vase eval` or `vase fidelity`"),
     out: Path | None = typer.Option(None, "--out", "-o", help="where REPORT.md and the PNGs go (default: RESULTS)"),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        help="reference policy of the fidelity paired differences (default: the lowest mean KL at each size)",
+    ),
 ):
     """Markdown tables and PNG plots from a results directory."""
     from .harness.report import write_report
 
-    path = write_report(results, out or results)
+    path = write_report(results, out or results, against=against)
     typer.echo(path.read_text())
     typer.echo(f"[vase] written {path}")
 

@@ -411,7 +411,8 @@ def summarize(records: list[dict]) -> list[dict]:
     (%, :func:`vase.harness.loops.loop_flag`), paper regex loop rate (%, :func:`vase.harness.loops.paper_loop`;
     None when a record predates it), share of completions cut by the token limit (%), mean generated tokens, mean KV
     bytes held and a full cache's, completions and problems counted. Loop flags come from :func:`loop_flags`
-    (recomputed from the stored text)."""
+    (recomputed from the stored text). ``loop_se``: the loop rate's standard error over problems (%, like pass@1's
+    ``se``: of the per-problem loop rates; NaN for one problem)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["task"], r["policy"], r["budget"], r.get("ratio")), []).append(r)
@@ -425,6 +426,11 @@ def summarize(records: list[dict]) -> list[dict]:
         se = 100 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
         flags = [loop_flags(r) for r in recs]
         papers = [p for _, p in flags]
+        loops_of: dict[str, list[bool]] = {}
+        for r, (loop, _) in zip(recs, flags):
+            loops_of.setdefault(r["problem_id"], []).append(bool(loop))
+        loop_means = [sum(v) / len(v) for v in loops_of.values()]
+        loop_se = 100 * statistics.stdev(loop_means) / math.sqrt(len(loop_means)) if len(loop_means) > 1 else math.nan
         finished = [r.get("finished") for r in recs]
         rows.append(
             {
@@ -435,6 +441,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "pass1": acc,
                 "se": se,
                 "loop_rate": 100 * sum(loop for loop, _ in flags) / len(recs),
+                "loop_se": loop_se,
                 "paper_loop_rate": None if None in papers else 100 * sum(papers) / len(recs),
                 "limit_rate": None if None in finished else 100 * sum(not f for f in finished) / len(recs),
                 "mean_tokens": sum(r["new_tokens"] for r in recs) / len(recs),

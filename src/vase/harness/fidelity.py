@@ -307,8 +307,17 @@ def adaptive_slots(cache) -> dict:
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Mean over sources per (policy, ratio or budget): KL, top-1 (%), perplexity change (%), planted outliers still
-    held (%, None without planting), and per bucket."""
+    """Mean over sources per (policy, ratio or budget), with standard errors over sources
+    (:func:`vase.harness.stats.mean_se`, NaN for one source).
+
+    Each row: ``policy``, ``size`` (``("ratio", asked)`` or ``("budget", tokens)``), ``ratio`` (asked, or None),
+    ``sources`` (count), ``budgets`` (the distinct budgets replayed, tokens, sorted: a ratio gives each source its own),
+    ``compression`` (mean measured context tokens / budget), ``kl`` and ``kl_se`` (nats per token), ``top1`` and
+    ``top1_se`` (%), ``ppl_change`` and ``ppl_change_se`` (%), ``kl_by_source`` (source id -> mean KL, for paired
+    differences), ``planted_kept`` (%, None without planting), and ``buckets`` (per position bucket: start, end, mean
+    KL, top-1 %)."""
+    from .stats import mean_se
+
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         size = ("ratio", r["ratio"]) if r.get("ratio") is not None else ("budget", r["budget"])
@@ -317,15 +326,24 @@ def summarize(records: list[dict]) -> list[dict]:
     for (policy, size), recs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         n = len(recs)
         nb = min(len(r["buckets"]) for r in recs)
+        kl, kl_se = mean_se(r["kl_mean"] for r in recs)
+        top1, top1_se = mean_se(100 * r["top1"] for r in recs)
+        ppl, ppl_se = mean_se(100 * r["ppl_change"] for r in recs)
         rows.append(
             {
                 "policy": policy,
                 "size": size,
+                "ratio": size[1] if size[0] == "ratio" else None,
                 "sources": n,
+                "budgets": sorted({int(r["budget"]) for r in recs}),
                 "compression": sum(r["compression"] for r in recs) / n,
-                "kl": sum(r["kl_mean"] for r in recs) / n,
-                "top1": 100 * sum(r["top1"] for r in recs) / n,
-                "ppl_change": 100 * sum(r["ppl_change"] for r in recs) / n,
+                "kl": kl,
+                "kl_se": kl_se,
+                "top1": top1,
+                "top1_se": top1_se,
+                "ppl_change": ppl,
+                "ppl_change_se": ppl_se,
+                "kl_by_source": {r["source"]: r["kl_mean"] for r in recs},
                 "planted_kept": (
                     100 * sum(r["planted_kept"] for r in recs) / n if all("planted_kept" in r for r in recs) else None
                 ),
