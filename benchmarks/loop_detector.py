@@ -18,12 +18,22 @@ times and over at least 200 characters (200-1,000), cut at a random point of the
   tokens     a word or 2-3 words, with a random whitespace separator (" ", "  ", "\\n", "\\n\\n", "\\t") each time
   case       a stretch of 10-300 characters whose first letter changes case and last punctuation mark changes
   drift      a sentence repeated verbatim, then a last repetition in which one word is another, cut after that word
+  short      a short unit repeated verbatim only 6-25 times (below the 200 characters above), cut at a random point
+             of the next repetition: half the units are a stretch of natural text (5-15 characters, its whitespace
+             collapsed, then a random separator), half a short step with fixed numbers ("so x = 3, ", "\\boxed{7} ",
+             "1+1=2 ", "Wait, "; 5-16 characters)
 Items are split by index parity (dev = even, test = odd; shakespeare: first / second half of the file) and the
-random cuts use another seed in each split, so the thresholds in src/vase/loops.py were set on text that the test
-figures never saw. Rates come with a 95% Wilson interval.
+random cuts use another seed in each split, so the thresholds in src/vase/harness/loops.py were set on text that
+the test figures never saw. Rates come with a 95% Wilson interval.
+
+--dense (used to set SHORT_MIN_REPEATS on the dev split): every cut point of the split's natural text, not a random
+few, at which identical repetitions of a unit of 5-23 normalised characters end (the short-unit rule), counted for
+2-6 repetitions, with numbers kept (the rule) and with numbers normalised to 0 and a letter required (the rule had
+it counted repetitions whose numbers change).
 
 Flags compared: `loop` (vase.harness.loops.ends_in_loop, the text check of the reported loop rate), `loop, no drift`
-(the same with the run required to reach the very end), `paper` (the VaSE reference regex,
+(the same with the run required to reach the very end), `loop, span rule only` (the same without the short-unit
+rule: the detector before that rule was added), `paper` (the VaSE reference regex,
 vase.harness.loops.paper_loop) and `old` (the flag vase reported before, "a 10-character unit occurs 3 times in the
 last 500 characters", reimplemented here for comparison only).
 """
@@ -40,7 +50,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vase.harness.loops import ends_in_loop, find_loop, paper_loop
+from vase.harness.loops import (
+    _LETTER,
+    MIN_SPAN,
+    MIN_UNIT,
+    SHORT_MIN_REPEATS,
+    _primitive_period,
+    ends_in_loop,
+    find_loop,
+    normalise,
+    paper_loop,
+)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SEPARATORS = [" ", "  ", "\n", "\n\n", "\t"]
@@ -71,9 +91,15 @@ def end_anchored(text: str) -> bool:
     return find_loop(text, drift=False) is not None
 
 
+def span_rule_only(text: str) -> bool:
+    """The loop check without the short-unit rule (identical repetitions counted instead of characters)."""
+    return find_loop(text, short_repeats=None) is not None
+
+
 FLAGS: dict[str, Callable[[str], bool]] = {
     "loop": ends_in_loop,
     "loop, no drift": end_anchored,
+    "loop, span rule only": span_rule_only,
     "paper": paper_loop,
     "old": old_flag,
 }
@@ -163,6 +189,16 @@ TEMPLATES = [
     "Step {}: the total is {} dollars, since {} - {} = {}.\n",
     "Wait, {} / {} is {}. Let me recompute.\n\n",
     "x = {} gives {}^2 = {}, which is not {}. Try again with x = {}.\n",
+]
+SHORT_TEMPLATES = [
+    "so x = {}, ",
+    "\\boxed{{{}}} ",
+    "{}+{}={} ",
+    "x = {}. ",
+    "{} * {} = {}, ",
+    "Wait, ",
+    "Hmm, wait. ",
+    "Let me see. ",
 ]
 
 
@@ -268,6 +304,29 @@ def constructed_loops(split: str, per_kind: int = 300, min_chars: int = 200, max
         unit = make()
         cut = len(loop) - len(loop) % len(unit) if len(loop) % len(unit) else len(loop)  # end of the full repetitions
         out["drift"].append(prefix() + loop[:cut] + _drifted(rng, unit, words))
+    out["short"] = short_loops(split, per_kind)
+    return out
+
+
+def short_loops(split: str, n: int) -> list[str]:
+    """Short units (5-16 characters) repeated verbatim 6-25 times after a natural prefix, cut at a random point of
+    the next repetition (the `short` kind; its own random stream, so that the other kinds stay as they were)."""
+    rng = random.Random(4000 + SPLIT_SEED[split])
+    pool = gsm8k_solutions(split) + math_solutions(split)
+    play = shakespeare(split)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            unit = rng.choice(SHORT_TEMPLATES).format(*(rng.randint(0, 99) for _ in range(3)))
+        else:
+            stretch = ""
+            while len(stretch) < 4:
+                source = rng.choice(pool + [play[rng.randrange(len(play) - 400) :][:400]])
+                stretch = " ".join(_stretch(rng, source, 5, 15).split())
+            unit = stretch + rng.choice(SEPARATORS)
+        source = rng.choice(pool + [play[rng.randrange(len(play) - 3000) :][:3000]])
+        prefix = source[: rng.randint(0, min(len(source), 2000))]
+        out.append(prefix + unit * rng.randint(6, 25) + unit[: rng.randrange(len(unit))])
     return out
 
 
@@ -298,6 +357,57 @@ def boundary_loops(split: str, per_cell: int = 100) -> dict:
                 texts.append(prefix[: rng.randint(0, len(prefix))] + unit * r + unit[: rng.randrange(len(unit))])
             out[(f"{lo}-{hi}", r)] = texts
     return out
+
+
+# --- every cut point: the short-unit rule -----------------------------------------------------------------------------
+def short_run_repeats(s: str, max_unit: int = MIN_SPAN // SHORT_MIN_REPEATS - 1, letter: bool = False) -> list[int]:
+    """For each cut point ``e`` of the normalised text ``s`` (``s[:e]``, 1 <= e <= len(s)), the most identical
+    repetitions of a unit of :data:`MIN_UNIT`-``max_unit`` characters, not a multiple of a shorter one (and holding a
+    letter with ``letter``), that ``s[:e]`` ends in; 0 at a cut after a space (a cut text is stripped)."""
+    best = [0] * (len(s) + 1)
+    for p in range(MIN_UNIT, max_unit + 1):
+        run = 0  # characters equal to the one p before, in a row
+        for i in range(p, len(s)):
+            run = run + 1 if s[i] == s[i - p] else 0
+            repeats = (run + p) // p
+            if repeats >= 2 and repeats > best[i + 1] and s[i] != " ":
+                unit = s[i + 1 - p : i + 1]
+                if _primitive_period(unit) >= MIN_UNIT and (not letter or _LETTER.search(unit)):
+                    best[i + 1] = repeats
+    return best[1:]
+
+
+def dense_short_runs(split: str) -> str:
+    """Markdown: per natural source of the split, the cut points at which r identical repetitions of a short unit
+    end, with numbers kept and with numbers normalised."""
+    sources = {"gsm8k": gsm8k_solutions(split), "math500": math_solutions(split), "shakespeare": [shakespeare(split)]}
+    reps = range(2, 7)
+    lines = [
+        f"Cut points of the natural text ({split}) ending in r or more identical repetitions of a unit of "
+        f"{MIN_UNIT}-{MIN_SPAN // SHORT_MIN_REPEATS - 1} characters",
+        "",
+        "| texts | numbers | cut points | " + " | ".join(f"r >= {r}" for r in reps) + " |",
+        "|---|---|---" + "|---" * len(reps) + "|",
+    ]
+    examples = []
+    for name, texts in sources.items():
+        for numbers in (False, True):
+            counts, points = [0] * len(reps), 0
+            for t in texts:
+                s = normalise(t, numbers=numbers)
+                best = short_run_repeats(s, letter=numbers)
+                points += len(s)
+                for j, r in enumerate(reps):
+                    counts[j] += sum(b >= r for b in best)
+                k = SHORT_MIN_REPEATS - 1
+                ends = [e for e, b in enumerate(best) if b >= k and max(best[e + 1 : e + 25], default=0) < k]
+                examples += [
+                    f"{name}, numbers {'normalised' if numbers else 'kept'}: ...{s[e - 59 : e + 1]!r}" for e in ends
+                ]
+            kind = "normalised, letter needed" if numbers else "kept"
+            lines.append(f"| {name} | {kind} | {points} | " + " | ".join(map(str, counts)) + " |")
+    head = f"runs of {SHORT_MIN_REPEATS - 1} or more repetitions, where each ends (the first 20):"
+    return "\n".join(lines + ["", head] + examples[:20])
 
 
 # --- measuring ------------------------------------------------------------------------------------------------------
@@ -341,7 +451,11 @@ def main(argv=None) -> int:
     ap.add_argument("--completions", nargs="*", type=Path, default=[], help="vase eval result folders")
     ap.add_argument("--per-kind", type=int, default=300, help="constructed loops per kind")
     ap.add_argument("--show", type=int, default=3, help="print this many misses of each kind (flag `loop`)")
+    ap.add_argument("--dense", action="store_true", help="only count the cut points of the short-unit rule")
     args = ap.parse_args(argv)
+    if args.dense:
+        print(dense_short_runs(args.split))
+        return 0
 
     start = time.perf_counter()
     natural = natural_cuts(args.split, args.completions)

@@ -11,7 +11,9 @@ import pytest
 
 from vase.harness.loops import (
     MIN_SPAN,
+    MIN_UNIT,
     PAPER_LOOP_PATTERN,
+    SHORT_MIN_REPEATS,
     Loop,
     ends_in_loop,
     find_loop,
@@ -91,7 +93,19 @@ NOT_LOOPING = {
     + "".join(f"{i} & {i + 1} & {2 * i} & {i * i} & {3 * i + 1} & {i % 3} \\\\\n" for i in range(1, 8)),
     "primes": "The primes below 100 are 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71",
     "squares": "\\begin{align*}\n" + "".join(f"{k}^2 &= {k * k}, \\\\\n" for k in range(3, 12)),
+    # short units a few times: an enumeration whose numbers change, a product of sines (MATH-500), a line of
+    # tinyshakespeare cut after its 5th "kill" (4 identical repetitions of ", kill"), alternating punctuation: not
+    # identical repetitions, or too few
+    "enumeration": "Trying each case in turn: x = 1, x = 2, x = 3, x = 4, x = 5, x = 6, x = 7, x = 8,",
+    "product of sines": "We want \\sin 10^\\circ \\sin 20^\\circ \\sin 30^\\circ \\sin 40^\\circ \\sin 50^\\circ "
+    "\\sin 60^\\circ \\sin 70^\\circ",
+    "Coriolanus": "Insolent villain!\n\nAll Conspirators:\nKill, kill, kill, kill, kill",
+    "punctuation alternates": PROSE + " I think so. I think so, I think so. I think so, I think so.",
 }
+
+# The issue's constructed set: a short unit repeated only a few times after natural text, cut at the token limit
+# (after a copy or inside the next one). The span rule alone needs 120 characters: 10-24 repetitions of these.
+SHORT_UNITS = ["so x = 3, ", "\\boxed{7} ", "1+1=2 ", "Wait, ", "I think so. ", "x^2 = 49. "]
 
 
 @pytest.mark.parametrize("name", LOOPING)
@@ -100,6 +114,50 @@ def test_looping(name):
     assert ends_in_loop(text), name
     assert loop_flag(text, finished=False) is True
     assert loop_flag(text, finished=True) is False  # ended by itself: never a loop
+
+
+@pytest.mark.parametrize("unit", SHORT_UNITS)
+@pytest.mark.parametrize("repeats", [6, 10])
+@pytest.mark.parametrize("prefix", [GSM8K_SOLUTION, PROSE, GSM8K_SOLUTION + "\n\n", PROSE + " "])
+def test_short_unit_few_repeats(unit, repeats, prefix):
+    """A short unit (5-15 characters) repeated 6 or 10 times at the end is a loop, cut anywhere in the next one."""
+    for cut in range(len(unit)):
+        text = prefix + unit * repeats + unit[:cut]
+        loop = find_loop(text)
+        assert loop is not None, (unit, repeats, cut)
+        # the first copy counts when the text before it ends as the unit does (here in a space), or with a cut
+        # inside the next copy: the windows are aligned on the end
+        assert loop.repeats >= repeats - 1 and loop.period == len(unit)  # no run of whitespace in these units
+        assert loop_flag(text, finished=False) is True
+        assert loop_flag(text, finished=True) is False
+
+
+def test_short_unit_rule():
+    """Identical repetitions with numbers kept, SHORT_MIN_REPEATS of them, of a unit of MIN_UNIT characters or more."""
+    assert SHORT_MIN_REPEATS == 5 and MIN_UNIT == 5
+    # the issue's three examples, 10 times: 100 and 60 normalised characters, below MIN_SPAN
+    assert find_loop(PROSE + " so x = 3," * 10) == Loop(unit=" so x = 3,", period=10, repeats=10, span=100)
+    assert find_loop(PROSE + " \\boxed{7}" * 10 + " \\bo") == Loop(unit="xed{7} \\bo", period=10, repeats=10, span=100)
+    assert find_loop(GSM8K_SOLUTION + " 1+1=2" * 10) == Loop(unit=" 1+1=2", period=6, repeats=10, span=60)
+    assert find_loop(LOOPING["sentence"]).span >= MIN_SPAN  # the span rule is still what finds long units
+    # 5 identical repetitions are a loop, 4 are not; the span rule alone needs 12 of these 10 characters
+    assert find_loop(PROSE + " so x = 3," * 4) is None
+    assert find_loop(PROSE + " so x = 3," * 5).repeats == 5
+    assert find_loop(PROSE + " so x = 3," * 11, short_repeats=None) is None
+    assert find_loop(PROSE + " so x = 3," * 12, short_repeats=None).span == MIN_SPAN
+    # numbers must repeat too: with a new number each time a short unit is an enumeration until it spans MIN_SPAN
+    counting = "".join(f" so x = {k}," for k in range(3, 14))  # 11 units of 10 normalised characters
+    assert find_loop(PROSE + counting) is None
+    assert find_loop(PROSE + counting + " so x = 14," + " so x = 15,").span >= MIN_SPAN
+    # no mismatch: "." and "," alternating is 1 character in 12, allowed by the span rule, not by this one
+    assert find_loop(PROSE + " I think so. I think so," * 4) is None
+    # a unit under MIN_UNIT characters is left to the span rule, through its multiples
+    assert find_loop("So: " + "ha, " * 29) is None
+    assert find_loop("So: " + "ha, " * 31).span >= MIN_SPAN
+    # letters are not needed (numbers kept), and the drift allowance applies
+    assert find_loop("Check: " + "12 & 13 \\\\ " * 5).repeats == 5
+    drifted = find_loop(PROSE + " \\boxed{7}" * 6 + " So the")  # " so the": its first space repeats the unit's
+    assert (drifted.repeats, drifted.drift) == (6, 6)
 
 
 @pytest.mark.parametrize("name", NOT_LOOPING)
@@ -121,8 +179,12 @@ def test_what_find_loop_reports():
     # with numbers normalised the unit is 17 characters and 7 repetitions cover 119 < MIN_SPAN: the numbers-kept
     # reading found it
     assert 7 * len("the answer is 0. ") < MIN_SPAN
-    # a 5-character unit needs MIN_SPAN characters: 23 repetitions of "yes, " (115) are not enough, 24 are
-    assert find_loop(PROSE + " yes," * 23) is None
+    # a 5-character unit repeated identically: 5 times is a loop by the short-unit rule (4 are not); by the span
+    # rule alone it needs MIN_SPAN characters: 23 repetitions of "yes, " (115) are not enough, 24 are
+    assert find_loop(PROSE + " yes," * 4) is None
+    assert find_loop(PROSE + " yes," * 5) == Loop(unit=" yes,", period=5, repeats=5, span=25)
+    assert find_loop(PROSE + " yes," * 23) == Loop(unit=" yes,", period=5, repeats=23, span=115)
+    assert find_loop(PROSE + " yes," * 23, short_repeats=None) is None
     assert find_loop(PROSE + " yes," * 24) == Loop(unit=" yes,", period=5, repeats=24, span=120)
     # a long unit needs 3 repetitions: 2 are not a loop
     unit = " I will now recompute every step of this problem slowly and carefully, starting from the top."
@@ -170,7 +232,8 @@ def _benchmark():
 
 def test_measured_error_rates_on_data():
     """The held-out split of benchmarks/loop_detector.py, a third of it: FP <= 1% on natural text cut at random
-    points, recall >= 95% on constructed loops (the docs give the full run)."""
+    points, none of them added by the short-unit rule, recall >= 95% on constructed loops, short units repeated a
+    few times included (the docs give the full run)."""
     need_data("reasoning/gsm8k.jsonl")
     need_data("reasoning/math500.jsonl")
     need_data("text/tinyshakespeare.txt")
@@ -178,6 +241,8 @@ def test_measured_error_rates_on_data():
     natural = bench.natural_cuts("test", scale=0.33)
     loops = bench.constructed_loops("test", per_kind=60)
     fp = bench.rates(natural, {"loop": ends_in_loop})["loop"]["all"]
+    span_rule = {g: [t for t in texts if bench.span_rule_only(t)] for g, texts in natural.items()}
+    assert {g: [t for t in texts if ends_in_loop(t)] for g, texts in natural.items()} == span_rule
     rec = bench.rates(loops, {"loop": ends_in_loop})["loop"]
     assert fp[1] > 1000 and fp[0] / fp[1] <= 0.01, fp
     assert rec["all"][0] / rec["all"][1] >= 0.95, rec
