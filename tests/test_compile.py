@@ -306,4 +306,3 @@ def test_many_prompt_lengths_compile_few_graphs(monkeypatch, options):
         shapes.add(out.stats.capacity)
     assert all(c == compiled_capacity(c) or c == 40 for c in shapes)  # powers of two, or the budget's own 24 + 16
     assert graphs() - before <= len(shapes) <= 2
-

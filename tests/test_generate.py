@@ -20,8 +20,9 @@ from .conftest import TinyTokenizer, need_data, random_ids, tiny_model
 
 runner = CliRunner()
 STATS = re.compile(
-    r"\[vase\] prompt (\d+) tok, generated (\d+) tok \| policy (\w+), (\d+) evictions \| KV (\d+)/(\d+) slots "
-    r"\(budget (\d+) \+ buffer (\d+)\), ([\d.]+) MiB held vs ([\d.]+) MiB full \(([\d.]+)x\) \| ([\d.]+) tok/s"
+    r"\[vase\] prompt (\d+) tok, generated (\d+) tok \| policy (\w+), budget (\d+) \+ buffer (\d+) \| 1 sequence, "
+    r"\d+ tokens seen, (\d+) evictions \| KV (\d+)/(\d+) slots, ([\d.]+) MiB held vs ([\d.]+) MiB full: ([\d.]+)x "
+    r"smaller \| ([\d.]+) tok/s"
 )
 
 
@@ -52,7 +53,7 @@ def test_cli_end_to_end_on_embedded_model(embedded, tmp_path):
     assert "Traceback" not in proc.stderr
     m = STATS.search(proc.stdout)
     assert m, proc.stdout[-500:]
-    prompt, new, policy, evictions, held, cap, budget, buffer = map(lambda x: x, m.groups()[:8])
+    prompt, new, policy, budget, buffer, evictions, held, cap = m.groups()[:8]
     assert policy == "vase" and int(new) == new_tokens and int(budget) == 48 and int(buffer) == 16
     assert int(held) <= int(budget) + int(buffer) and int(cap) == 64
     # a prompt of 64+ tokens is compacted at prefill; then every 16 decode forwards (the last token is not fed back)
@@ -249,6 +250,7 @@ def test_python_api_compile(monkeypatch):
     import torch._dynamo
 
     import vase.harness.generation
+    from vase.core.config import compiled_capacity
 
     def quick(device, backend="inductor"):
         return real(device, backend="aot_eager")
@@ -267,5 +269,31 @@ def test_python_api_compile(monkeypatch):
     full = generate(model, TinyTokenizer(), prompts, policy="full", compile=True, **kwargs)
     reference = generate(model, TinyTokenizer(), prompts, policy="full", **kwargs)
     assert [c.token_ids for c in full.completions] == [c.token_ids for c in reference.completions]
-    # max_cache_len = prompt + new tokens + 1 (the last new token is never fed back): allocated once, never grown
-    assert full.stats.capacity == reference.stats.tokens_seen + 2
+    # max_cache_len = prompt + new tokens + 1 (the last new token is never fed back), rounded up to a power of two so
+    # that prompts of other lengths reuse the graph: allocated once, never grown
+    assert full.stats.capacity == compiled_capacity(reference.stats.tokens_seen + 2) == 256
+
+
+def test_stats_line_says_sequences_and_when_memory_exceeds_the_full_cache():
+    """One format for the API and the CLI: the number of sequences, and a plain word when the buffers (allocated at
+    budget + buffer from the first token) hold more than a full cache would, as in a run too short to evict."""
+    model, tok = tiny_model("llama"), TinyTokenizer()
+    short = generate(model, tok, "abcdefgh", budget=96, buffer=16, max_new_tokens=4, chat=False)
+    line = short.stats_line()
+    assert short.stats.bytes_held > short.stats.bytes_full and short.stats.evictions == 0
+    assert "prompt 8 tok, generated 4 tok" in line and "| 1 sequence, 11 tokens seen, 0 evictions |" in line
+    assert "x MORE than the full cache (no eviction yet" in line and "smaller" not in line
+    assert line.split(" | ", 1)[1].startswith(short.stats.line())  # the cache's own line, unchanged inside
+    batch = generate(
+        model,
+        tok,
+        ["abcdefgh", "abcdefghijklmnop"],
+        budget=24,
+        buffer=8,
+        max_new_tokens=40,
+        min_new_tokens=40,
+        chat=False,
+    )
+    line = batch.stats_line()
+    assert line.startswith("[vase] 2 prompts, 24 tok in all, generated 80 tok in all | ")
+    assert "| 2 sequences, 55 tokens seen each, " in line and "slots each" in line and "x smaller |" in line

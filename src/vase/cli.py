@@ -35,18 +35,31 @@ def _message(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+RESUMABLE = {"eval_cmd": "records", "fidelity": "traces and records"}
+
+
 def friendly(fn):
     """Turn the library's clear ValueErrors, file-system errors (a path that is a file where a folder is needed, no
-    permission...) and Ctrl-C into one line on stderr and a non-zero exit."""
+    permission...) and Ctrl-C into one line on stderr and a non-zero exit; show the harness's warnings as
+    ``[vase] warning: ...`` lines."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from .harness.notes import show_on_stderr
+
+        show_on_stderr()
         try:
             return fn(*args, **kwargs)
         except (ValueError, OSError, NotImplementedError) as exc:
             _fail(_message(exc))
         except KeyboardInterrupt:
-            _fail("interrupted", 130)
+            saved = RESUMABLE.get(fn.__name__)
+            _fail(
+                f"interrupted: the {saved} written so far are saved; run the same command again to resume"
+                if saved
+                else "interrupted",
+                130,
+            )
 
     return wrapper
 
@@ -111,7 +124,7 @@ def generate(
     sinks: int = typer.Option(4, help="attention-sink tokens always kept"),
     dense_prompt: bool = typer.Option(False, "--dense-prompt", help="keep the prompt dense until the first eviction"),
     seed: int = SeedOpt,
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="tokens generated at most per completion"),
     min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="suppress end-of-sequence before this many"),
     temperature: float = typer.Option(0.0, help="0 = greedy; reasoning models: 0.6"),
     top_p: float = typer.Option(0.95, "--top-p"),
@@ -220,7 +233,7 @@ def demo(
     model: str | None = ModelOpt,
     policy: str = PolicyOpt,
     budget: int = typer.Option(128, "--budget", "-b"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="tokens generated at most per completion"),
     device: str = DeviceOpt,
 ):
     """The main job: ~512 tokens of reasoning on a GSM8K problem with the embedded model, vase, budget 128.
@@ -277,7 +290,7 @@ def eval_cmd(
     ratios: str | None = typer.Option(None, help="comma-separated compression ratios"),
     seeds: str = typer.Option("0", help="comma-separated seeds: k seeds = k samples per problem"),
     limit: int | None = typer.Option(None, help="first N problems of each task"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="tokens generated at most per completion"),
     greedy: bool = typer.Option(False, "--greedy", help="greedy decoding (CPU smoke runs)"),
     temperature: float = typer.Option(0.6, help="sampling temperature (reasoning-model default 0.6)"),
     top_p: float = typer.Option(0.95, "--top-p"),
@@ -285,8 +298,10 @@ def eval_cmd(
     buffer: int = BufferOpt,
     batch_size: int = typer.Option(4, "--batch-size", help="completions generated together"),
     shard: str | None = typer.Option(None, help="I/N: run every N-th work unit starting at I"),
-    question_field: str | None = typer.Option(None, "--question-field"),
-    answer_field: str = typer.Option("answer", "--answer-field"),
+    question_field: str | None = typer.Option(
+        None, "--question-field", help="question field of JSONL tasks (default: problem, question, prompt or input)"
+    ),
+    answer_field: str = typer.Option("answer", "--answer-field", help="reference answer field of JSONL tasks"),
     model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -371,8 +386,12 @@ def fidelity(
     prompts: int = typer.Option(20, help="number of prompts (text windows for text:PATH)"),
     tokens: int = typer.Option(1024, help="continuation length in tokens"),
     policies: str = typer.Option("all", help="comma-separated, or 'all'"),
-    ratios: str | None = typer.Option("2,4,8", help="comma-separated compression ratios"),
-    budgets: str | None = typer.Option(None, help="comma-separated budgets in tokens"),
+    ratios: str | None = typer.Option(
+        None, help="comma-separated compression ratios (default 2,4,8 when no --budgets are given)"
+    ),
+    budgets: str | None = typer.Option(
+        None, help="comma-separated budgets in tokens (instead of the default ratios; give --ratios too for both)"
+    ),
     buffer: int = BufferOpt,
     bucket: int = typer.Option(256, help="position bucket size for the per-position report"),
     seed: int = SeedOpt,
@@ -435,8 +454,13 @@ def inspect(
 ):
     """Value and key magnitudes per layer and KV head: does the model have the large values the guard protects?"""
     from .harness.magnitudes import inspect_model
-    from .hf.models import load_model
+    from .hf.models import check_load_options, load_model
 
+    check_load_options(dtype, device)
+    if generate_tokens < 0 or top < 1:
+        raise ValueError(f"--generate must be >= 0 and --top >= 1, got {generate_tokens} and {top}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder: give a folder for the heat-map and JSON")
     text = _prompt_text(prompt, data, index, None, "auto")
     _threads()
     lm = load_model(model, dtype=dtype, device=device)
@@ -449,7 +473,9 @@ def inspect(
 @friendly
 def report(
     results: Path = typer.Argument(..., help="results directory of `vase eval` or `vase fidelity`"),
-    out: Path | None = typer.Option(None, "--out", "-o", help="where REPORT.md and the PNGs go (default: RESULTS)"),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="folder for REPORT.md and the PNGs (default: the results directory itself)"
+    ),
     against: str | None = typer.Option(
         None,
         "--against",

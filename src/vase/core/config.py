@@ -96,6 +96,21 @@ def ratio_budget(total_tokens: float, ratio: float, buffer: int, sinks: int = DE
     return published_budget(budget, buffer) if published else budget
 
 
+def ratio_note(total_tokens: int, ratio: float, buffer: int, sinks: int = DEFAULT_SINKS, published: bool = False):
+    """A warning when ``total_tokens`` cannot be compressed by ``ratio`` (the floor ``sinks + buffer + 1`` raised its
+    budget, or the published preset rounded it, by more than 5%), else None."""
+    budget = ratio_budget(total_tokens, ratio, buffer, sinks, published)
+    measured = total_tokens / budget
+    if measured >= 0.95 * ratio:
+        return None
+    return (
+        f"ratio {ratio:g}x asked, {measured:.2f}x measured for {total_tokens} tokens: the budget is raised to {budget} "
+        f"(at least sinks + buffer + 1 = {sinks + buffer + 1}"
+        + (", rounded to the buffer for the published preset" if published else "")
+        + "); results are labelled with the compression measured"
+    )
+
+
 def check_published(policy: Policy, budget: int, buffer: int, window: int) -> None:
     """The rules the published method's code needs (``preset='paper'``), as clear errors.
 
@@ -266,6 +281,29 @@ class VaseConfig:
         """The compression ``total_tokens / budget`` a sequence of that length gets (below the ratio asked for when
         the floor ``sinks + buffer + 1`` raised its budget)."""
         return total_tokens / self.budget_for(total_tokens)
+
+    @property
+    def chosen(self) -> int | None:
+        """Tokens the policy chooses at each eviction: ``budget - sinks - recent`` (None before a ratio is applied)."""
+        return None if self.budget is None else self.budget - self.sinks - self.recent
+
+    def buffer_note(self) -> str | None:
+        """A warning when the policy chooses fewer than a quarter of the budget (the sinks and the recent window
+        keep the rest, so results say more about the buffer than about the policy), else None."""
+        if self.budget is None or not self.policy.evicts or self.chosen * 4 >= self.budget:
+            return None
+        return (
+            f"at budget {self.budget} the policy chooses only {self.chosen} of the {self.budget} tokens kept "
+            f"({self.sinks} sinks + {self.recent} recent fill the rest): the results say more about the buffer than "
+            "about the policy; use longer sequences, a smaller --buffer or a larger budget"
+        )
+
+    def ratio_note(self, total_tokens: int, published: bool | None = None) -> str | None:
+        """:func:`ratio_note` for a sequence of ``total_tokens`` under this configuration (None with a budget)."""
+        if self.ratio is None:
+            return None
+        pub = self.policy.published if published is None else published
+        return ratio_note(total_tokens, self.ratio, self.buffer, self.sinks, pub)
 
     def layout(self, layers: int) -> tuple[list[int], int]:
         """Per-layer budgets and physical slots per (layer, KV head) for kept tokens (see

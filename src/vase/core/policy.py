@@ -27,6 +27,7 @@ kept stays layers x KV heads x budget (see :mod:`vase.core.budgets` and :class:`
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -191,7 +192,8 @@ def compose(
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         valid = ", ".join(sorted(allowed)) or "none"
-        raise ValueError(f"policy {name!r} does not take option(s) {', '.join(unknown)}; valid options: {valid}")
+        hint = did_you_mean(unknown[0], allowed)
+        raise ValueError(f"policy {name!r} does not take option(s) {', '.join(unknown)}{hint}; valid options: {valid}")
     opts = {**allowed, **{k: v for k, v in options.items()}}
     if make_scorer is None:
         return Policy(name, None, TopK(), None, source, keeps, opts)
@@ -256,6 +258,12 @@ def compose(
         else None
     )
     return Policy(name, scorer, selector, guard, source, keeps, opts)
+
+
+def did_you_mean(name: str, choices) -> str:
+    """``" (did you mean 'snapkv'?)"`` for the closest of ``choices`` to a mistyped ``name``, or ``""``."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _number(value) -> bool:

@@ -25,7 +25,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from ..hf.models import check_load_options
 from .data import Problem, load_problems
+from .notes import warn
 
 CONFIG_FILE = "config.json"
 RECORDS = "records.jsonl"
@@ -174,27 +176,39 @@ def check_results_dir(out: Path) -> None:
             )
 
 
-def prepare_dir(out: Path, config: EvalConfig) -> None:
-    """Create ``out`` with its config, or check that an existing one holds the same configuration.
+def check_same_config(out: Path, config: RunConfig) -> None:
+    """Check, before any work, that ``out`` is a new results directory or one of the same configuration.
 
     Raises:
-        ValueError: if ``out`` holds results of another configuration (names the first difference), or ``out`` (or
-            a folder above it) is a file.
+        ValueError: if ``out`` (or a folder above it) is a file, or ``out`` holds results of another configuration:
+            the message names every field that differs, with both values.
     """
     check_results_dir(out)
+    path = out / CONFIG_FILE
+    if not path.exists():
+        return
+    mine, theirs = json.loads(config.model_dump_json()), json.loads(path.read_text())
+    diffs = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diffs:
+        what = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diffs)
+        raise ValueError(
+            f"{out} holds results of another configuration ({what}); rerun with the same options to resume, or give "
+            "a new --out to start afresh"
+        )
+
+
+def prepare_dir(out: Path, config: RunConfig) -> None:
+    """Create ``out`` with its config, or check that an existing one holds the same configuration. Call it only once
+    the run can start (options checked, model loaded): a run that fails before leaves no folder behind.
+
+    Raises:
+        ValueError: see :func:`check_same_config`.
+    """
+    check_same_config(out, config)
     out.mkdir(parents=True, exist_ok=True)
     path = out / CONFIG_FILE
-    mine = json.loads(config.model_dump_json())
-    if path.exists():
-        theirs = json.loads(path.read_text())
-        if theirs != mine:
-            diff = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
-            raise ValueError(
-                f"{out} holds results of another configuration ({diff}: {theirs.get(diff)!r} there, "
-                f"{mine.get(diff)!r} now); rerun with the same options to resume, or give a new --out to start afresh"
-            )
-    else:
-        path.write_text(json.dumps(mine, indent=1) + "\n")
+    if not path.exists():
+        path.write_text(json.dumps(json.loads(config.model_dump_json()), indent=1) + "\n")
 
 
 def load_config(out: Path) -> EvalConfig:
@@ -266,6 +280,7 @@ def run_sweep(
         for t in config.tasks
     }
     config.sizes()
+    check_load_options(config.dtype, device, config.attn)
     prepare_dir(out, config)
     path = records_path(out, shard)
     repair_tail(path)
@@ -340,7 +355,7 @@ def run_sweep(
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
     """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
     rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
-    from ..core.config import ratio_budget
+    from ..core.config import ratio_budget, ratio_note
 
     out = {}
     for task, plist in problems.items():
@@ -350,6 +365,7 @@ def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> d
         total = statistics.median(lengths) + config.max_new_tokens
         for r in config.ratios:  # multiples of the buffer with the published method; the same for every policy
             out[(task, r)] = ratio_budget(total, r, config.buffer, published=config.has_published)
+            warn(ratio_note(round(total), r, config.buffer, published=config.has_published))
     return out
 
 

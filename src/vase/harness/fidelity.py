@@ -19,13 +19,17 @@ import os
 from pathlib import Path
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from ..core.config import ratio_budget
-from .evaluate import RunConfig, prepare_dir, read_records
+from ..core.config import VaseConfig, check_sizes, ratio_budget
+from ..hf.models import check_load_options
+from .data import load_problems
+from .evaluate import RunConfig, check_same_config, prepare_dir, read_records
+from .notes import warn
 from .outliers import PlantedValues, kept_share
 
 SOURCES_FILE = "sources.jsonl"
+DEFAULT_RATIOS = (2.0, 4.0, 8.0)
 RECORDS = "fidelity.jsonl"
 
 
@@ -36,13 +40,21 @@ class FidelityConfig(RunConfig):
     prompts: int = 20
     tokens: int = 1024
     prefix_tokens: int = 64  # text sources: tokens of context before the continuation
-    ratios: list[float] = Field(default_factory=lambda: [2.0, 4.0, 8.0])
+    ratios: list[float] = Field(default_factory=list)  # none and no budgets: DEFAULT_RATIOS
     budgets: list[int] = Field(default_factory=list)
     bucket: int = 256
     seed: int = 0
     plant_layers: list[int] = Field(default_factory=list)  # planted value outliers (harness.outliers); none by default
     plant_tokens: int = 0
     plant_scale: float = 20.0
+
+    @model_validator(mode="after")
+    def _default_sizes(self):
+        """Budgets replace the default ratios: the ratios default to :data:`DEFAULT_RATIOS` only when no budget is
+        given either."""
+        if not self.ratios and not self.budgets:
+            self.ratios = list(DEFAULT_RATIOS)
+        return self
 
 
 def planted_positions(prompt: int, tokens: int, count: int) -> list[int]:
@@ -59,11 +71,12 @@ def replay(
     model,
     prompt_ids: torch.Tensor,
     continuation: torch.Tensor,
-    policy: str,
-    budget: int,
-    buffer: int,
+    policy: str | None = None,
+    budget: int | None = None,
+    buffer: int = 64,
     seed: int = 0,
     record: bool = False,
+    config: VaseConfig | None = None,
 ):
     """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
 
@@ -73,11 +86,15 @@ def replay(
 
     Args:
         prompt_ids: ``[P]`` token ids; continuation: ``[T]`` token ids (the targets).
+        policy, budget, buffer: the cache (tokens); or ``config``, a :class:`vase.VaseConfig` with a fixed budget.
+        seed: keys the cache's random choices.
     """
     from ..hf.cache import EvictingCache
 
     dev = next(model.parameters()).device
-    cache = EvictingCache(model, policy=policy, budget=budget, buffer=buffer, seed=seed)
+    if config is None:
+        config = VaseConfig.resolve(policy, budget=budget, buffer=buffer)
+    cache = EvictingCache(model, config=config, seed=seed)
     out = [torch.log_softmax(model(input_ids=prompt_ids.view(1, -1).to(dev), cache=cache).logits[0, -1:].float(), -1)]
     fed = continuation[:-1]
     start = 0
@@ -121,6 +138,43 @@ def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket:
     }
 
 
+def text_file(config: FidelityConfig) -> Path:
+    """The file of a ``text:PATH`` source.
+
+    Raises:
+        ValueError: a file that does not exist or is not a file.
+    """
+    file = Path(config.source[5:]).expanduser()
+    if not file.is_file():
+        raise ValueError(f"text file not found: {file} (--source text:PATH takes a plain text file)")
+    return file
+
+
+def text_sources(config: FidelityConfig, tokenizer) -> list[dict]:
+    """The ``config.prompts`` windows of a ``text:PATH`` source, evenly spaced: ``prefix_tokens`` of context then
+    ``tokens`` of continuation each.
+
+    Raises:
+        ValueError: a missing file, or one shorter than ``prefix_tokens + tokens`` tokens.
+    """
+    file = text_file(config)
+    ids = tokenizer(file.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    span = config.prefix_tokens + config.tokens
+    if len(ids) < span:
+        raise ValueError(
+            f"{file} has {len(ids)} tokens, fewer than prefix + tokens = {span}: lower --tokens or use a longer file"
+        )
+    step = max((len(ids) - span) // max(config.prompts, 1), 1)
+    return [
+        {
+            "id": f"{file.name}@{i * step}",
+            "prompt": ids[i * step : i * step + config.prefix_tokens],
+            "continuation": ids[i * step + config.prefix_tokens : i * step + span],
+        }
+        for i in range(config.prompts)
+    ]
+
+
 def build_sources(config: FidelityConfig, lm, progress: bool = True, path: Path | None = None) -> list[dict]:
     """The run's ``config.prompts`` sources: ``{"id", "prompt": [ids], "continuation": [ids]}``.
 
@@ -134,28 +188,12 @@ def build_sources(config: FidelityConfig, lm, progress: bool = True, path: Path 
         ValueError: a text file that is missing or shorter than ``prefix_tokens + tokens``; an unknown task.
     """
     if config.source.startswith("text:"):
-        file = Path(config.source[5:]).expanduser()
-        if not file.exists():
-            raise ValueError(f"text file not found: {file}")
-        ids = lm.tokenizer(file.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-        span = config.prefix_tokens + config.tokens
-        if len(ids) < span:
-            raise ValueError(f"{file} has {len(ids)} tokens, fewer than prefix + tokens = {span}")
-        step = max((len(ids) - span) // max(config.prompts, 1), 1)
-        out = [
-            {
-                "id": f"{file.name}@{i * step}",
-                "prompt": ids[i * step : i * step + config.prefix_tokens],
-                "continuation": ids[i * step + config.prefix_tokens : i * step + span],
-            }
-            for i in range(config.prompts)
-        ]
+        out = text_sources(config, lm.tokenizer)
         if path is not None:
             write_sources(path, out)
         return out
     from tqdm.auto import tqdm
 
-    from .data import load_problems
     from .generation import encode_prompts, generate
 
     # reuse only traces of this run's length (a sources file copied from a run with other --tokens is regenerated)
@@ -206,8 +244,77 @@ def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float)
     return ratio_budget(length, value, config.buffer, published=config.has_published)
 
 
+def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[str, str, float], VaseConfig]:
+    """Every option of a fidelity run, checked before anything loads or any trace is generated; returns the resolved
+    :class:`vase.VaseConfig` of each (policy, 'ratio' | 'budget', value).
+
+    Raises:
+        ValueError: no ratio and no budget; counts out of range (prompts, tokens, prefix tokens, bucket, planted
+            tokens, scale); a policy or size any replay would refuse (a budget not larger than sinks + buffer, a
+            recent window or a published-preset rule a ratio's budget cannot meet); a text file that does not exist; a
+            task file that cannot be read; an unknown dtype, device or attention.
+    """
+    check_load_options(config.dtype, device, config.attn)
+    if not config.ratios and not config.budgets:
+        raise ValueError("give at least one compression ratio (--ratios) or budget (--budgets)")
+    for name, value, low in (
+        ("--prompts", config.prompts, 1),
+        ("--tokens", config.tokens, 2),
+        ("prefix_tokens", config.prefix_tokens, 1),
+        ("--bucket", config.bucket, 1),
+        ("--plant-tokens", config.plant_tokens, 0),
+    ):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    if config.plant_layers and (min(config.plant_layers) < 0 or not config.plant_scale > 0):
+        raise ValueError("--plant-layers must be layer indices >= 0 and --plant-scale > 0")
+    check_sizes(None, config.buffer, 4)
+    if config.source.startswith("text:"):
+        text_file(config)
+        shortest = config.prefix_tokens + config.tokens
+    else:
+        load_problems(config.source, require_answer=False)  # a missing task file or field: its clear error
+        shortest = config.tokens + 1  # a task prompt has at least one token
+    resolved = {}
+    for policy in config.policies:
+        for kind, values in (("budget", config.budgets), ("ratio", config.ratios)):
+            for value in values:
+                cfg = VaseConfig.resolve(policy, buffer=config.buffer, **{kind: value})
+                cfg.for_length(shortest, published=config.has_published)  # a ratio's smallest budget must fit too
+                resolved[(policy, kind, float(value))] = cfg
+    return resolved
+
+
+def run_notes(config: FidelityConfig, configs: dict, plan: list[tuple]) -> list[str]:
+    """What a user must know before trusting a run's labels: per ratio, when the budgets the sources get (the floor
+    ``sinks + buffer + 1``, or the published preset's rounding) compress them by less than 95% of the ratio asked;
+    per size and policy, when the policy chooses fewer than a quarter of the budget (:meth:`VaseConfig.buffer_note`).
+    ``plan`` holds (source, kind, value, budget) tuples."""
+    notes: list[str] = []
+    for kind, value in dict.fromkeys((k, v) for _, k, v, _ in plan):
+        rows = [(len(s["prompt"]) + len(s["continuation"]), b) for s, k, v, b in plan if (k, v) == (kind, value)]
+        measured = [n / b for n, b in rows]
+        budgets = sorted({b for _, b in rows})
+        span = f"budget {budgets[0]}" if len(budgets) == 1 else f"budgets {budgets[0]}-{budgets[-1]}"
+        if kind == "ratio" and sum(measured) / len(measured) < 0.95 * value:
+            notes.append(
+                f"ratio {value:g}x asked, {min(measured):.2f}-{max(measured):.2f}x measured over {len(rows)} sources "
+                f"({span}: at least sinks + buffer + 1 = {4 + config.buffer + 1} tokens"
+                + (", rounded to the buffer for the published preset" if config.has_published else "")
+                + "); records and reports give the compression measured"
+            )
+        for policy in config.policies:
+            note = configs[(policy, kind, value)].with_budget(budgets[0]).buffer_note()
+            if note and note not in notes:
+                notes.append(note)
+    return notes
+
+
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
     """Run (or resume) a fidelity sweep into ``out/fidelity.jsonl``; returns that path.
+
+    Every option is checked first (:func:`check_fidelity`), then the model is loaded and the sources checked; only
+    then is ``out`` written (its ``config.json``), so a run that cannot start leaves nothing behind.
 
     With ``plant_layers`` and ``plant_tokens``, value outliers are planted
     (:class:`vase.harness.outliers.PlantedValues`) in the reference and in every policy's replay, and each record
@@ -215,16 +322,23 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     the end.
 
     Raises:
-        ValueError: another configuration in ``out``, an unknown policy or source, planted layers the model lacks.
+        ValueError: see :func:`check_fidelity`; another configuration in ``out`` (names every field that differs);
+            planted layers the model lacks; a text source shorter than prefix + tokens.
     """
     from tqdm.auto import tqdm
 
     from ..hf.models import load_model
 
-    if not config.ratios and not config.budgets:
-        raise ValueError("give at least one compression ratio or budget")
-    prepare_dir(out, config)
+    configs = check_fidelity(config, device)
+    check_same_config(out, config)
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
+    if config.plant_layers:
+        n_layers = lm.model.config.get_text_config(decoder=True).num_hidden_layers
+        if max(config.plant_layers) >= n_layers:
+            raise ValueError(f"--plant-layers {max(config.plant_layers)}: the model has layers 0-{n_layers - 1}")
+    if config.source.startswith("text:"):
+        text_sources(config, lm.tokenizer)  # long enough, before anything is written
+    prepare_dir(out, config)
     src_path = out / SOURCES_FILE
     sources = read_records(src_path)[: config.prompts]
     if len(sources) < config.prompts:
@@ -234,6 +348,8 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     plant = bool(config.plant_layers) and config.plant_tokens > 0
     sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
     plan = [(s, kind, value, replay_budget(config, s, kind, value)) for s in sources for kind, value in sizes]
+    for note in run_notes(config, configs, plan):
+        warn(note)
     todo_of = [[p for p in config.policies if (s["id"], p, budget) not in done] for s, _, _, budget in plan]
     total = len(plan) * len(config.policies)  # this run's replays: records of other policies in the file not counted
     initial = total - sum(map(len, todo_of))
@@ -258,7 +374,8 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     if policy == "full":
                         results.append((policy, ref, {}))
                         continue
-                    pol, cache = replay(lm.model, prompt, cont, policy, budget, config.buffer, config.seed, record=True)
+                    cfg = configs[(policy, kind, value)].with_budget(budget)
+                    pol, cache = replay(lm.model, prompt, cont, seed=config.seed, record=True, config=cfg)
                     extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
                     extra.update(guard_counts(cache))
                     extra.update(adaptive_slots(cache))

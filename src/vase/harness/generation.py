@@ -160,16 +160,17 @@ class GenerationResult:
         return steps * rows / decode if decode > 0 else 0.0
 
     def stats_line(self) -> str:
-        """The one-line summary printed after ``vase generate``: tokens, evictions, KV slots and bytes, speed."""
-        st = self.stats
-        mib = 2.0**20
+        """The one-line summary printed after ``vase generate``: prompt and generated tokens, then the cache's own
+        line (:meth:`vase.CacheStats.line`: policy, sequences, evictions, KV slots and bytes), then the speed."""
+        n = len(self.completions)
         prompt = sum(c.prompt_tokens for c in self.completions)
-        return (
-            f"[vase] prompt {prompt} tok, generated {self.new_tokens} tok | policy {st.policy}, "
-            f"{st.evictions} evictions | KV {st.slots_held}/{st.capacity} slots (budget {st.budget} + buffer "
-            f"{st.buffer}), {st.bytes_held / mib:.2f} MiB held vs {st.bytes_full / mib:.2f} MiB full "
-            f"({st.compression:.2f}x) | {self.tokens_per_second:.1f} tok/s, {self.seconds:.1f} s"
-            + (" (compilation included)" if self.extra.get("compiled") else "")
+        tokens = (
+            f"prompt {prompt} tok, generated {self.new_tokens} tok"
+            if n == 1
+            else f"{n} prompts, {prompt} tok in all, generated {self.new_tokens} tok in all"
+        )
+        return f"[vase] {tokens} | {self.stats.line()} | {self.tokens_per_second:.1f} tok/s, {self.seconds:.1f} s" + (
+            " (compilation included)" if self.extra.get("compiled") else ""
         )
 
 

@@ -61,17 +61,32 @@ class CacheStats:
         """Full-cache bytes over bytes held (>1 means savings)."""
         return self.bytes_full / self.bytes_held if self.bytes_held else 1.0
 
-    def line(self) -> str:
-        """A one-line human summary (hybrid models: what the kept layers hold, counted in both totals, too)."""
+    def memory_text(self) -> str:
+        """``'8.44 MiB held vs 26.10 MiB full: 3.09x smaller'``, or, when the buffers (allocated at budget + buffer
+        from the first token) hold more than a full cache would, ``'... 5.90x more than the full cache'`` with why."""
         mib = 2.0**20
-        kept = (
-            f" (each incl. {self.bytes_other / mib:.1f} MiB in {self.other_layers} sliding/linear layers)"
-            if self.other_layers
-            else ""
-        )
+        held, full = self.bytes_held / mib, self.bytes_full / mib
+        text = f"{held:.2f} MiB held vs {full:.2f} MiB full: "
+        if self.bytes_held <= self.bytes_full:
+            text += f"{self.compression:.2f}x smaller"
+        else:
+            why = "no eviction yet" if not self.evictions else "buffers larger than the tokens seen"
+            text += (
+                f"{self.bytes_held / max(self.bytes_full, 1):.2f}x MORE than the full cache ({why}: the buffers are "
+                "allocated at budget + buffer from the first token; the saving starts past that length)"
+            )
+        if self.other_layers:
+            text += f" (both incl. {self.bytes_other / mib:.2f} MiB in {self.other_layers} sliding/linear layers)"
+        return text
+
+    def line(self) -> str:
+        """The one-line summary of the cache, the same in the API and at the end of ``vase generate``:
+        ``policy vase, budget 128 + buffer 64 | 1 sequence, 595 tokens seen, 7 evictions | KV 146/192 slots,
+        8.44 MiB held vs 26.10 MiB full: 3.09x smaller``."""
+        seqs = f"{self.batch} sequence" + ("s" if self.batch != 1 else "")
+        each = " each" if self.batch > 1 else ""
         return (
-            f"policy {self.policy}, budget {self.budget}+{self.buffer}: {self.evictions} evictions, "
-            f"{self.tokens_seen} tokens seen, {self.slots_held}/{self.capacity} slots held, "
-            f"KV {self.bytes_held / mib:.1f} MiB vs full {self.bytes_full / mib:.1f} MiB ({self.compression:.2f}x)"
-            f"{kept}"
+            f"policy {self.policy}, budget {self.budget} + buffer {self.buffer} | {seqs}, {self.tokens_seen} tokens "
+            f"seen{each}, {self.evictions} evictions | KV {self.slots_held}/{self.capacity} slots{each}, "
+            f"{self.memory_text()}"
         )

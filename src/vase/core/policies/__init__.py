@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..policy import Policy
+from ..policy import Policy, did_you_mean
 from . import curdkv, full, h2o, keydiff, knorm, quest, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
 
 _MODULES: dict[str, ModuleType] = {
@@ -65,7 +65,9 @@ def make_policy(name: str | Policy, **options) -> Policy:
         options = {**spec_options, **options}
     module = _MODULES.get(name)
     if module is None:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")
+        raise ValueError(
+            f"unknown policy {name!r}{did_you_mean(name, POLICY_NAMES)}; valid policies: {', '.join(POLICY_NAMES)}"
+        )
     return module.build(**options)
 
 
