@@ -194,19 +194,22 @@ def _prompt_text(prompt, data, index, question_field, template) -> str:
     return prompt
 
 
-# Options of vase.generate that are not checked by check_options (seeds, prompt handling)
-_UNCHECKED = ("seed", "compress_prompt", "system", "chat")
+# Options of vase.generate that are not part of the cache's configuration (seeds, prompt handling)
+_RUN_ONLY = ("seed", "system", "chat")
+_DECODING = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k")
 
 
-def _check_options(model_options: dict, options: dict) -> None:
-    """Every option's range, before the prompt is read or anything is loaded (a bad value fails in a second)."""
+def _check_options(model_options: dict, options: dict):
+    """Every option's range, before the prompt is read or anything is loaded (a bad value fails in a second);
+    returns the resolved :class:`vase.VaseConfig`."""
     from .harness.generation import check_options
     from .hf.models import check_load_options
 
-    check_options(**{k: v for k, v in options.items() if k not in _UNCHECKED})
+    config = check_options(**{k: v for k, v in options.items() if k not in _RUN_ONLY})
     check_load_options(
         model_options.get("dtype", "auto"), model_options.get("device", "auto"), model_options.get("attn", "sdpa")
     )
+    return config
 
 
 def _run_generation(text: str, model_options: dict, options: dict):
@@ -216,12 +219,13 @@ def _run_generation(text: str, model_options: dict, options: dict):
     from .harness.generation import generate as run
     from .hf.models import load_model
 
-    _check_options(model_options, options)  # again for `vase demo`; cheap
+    config = _check_options(model_options, options)  # again for `vase demo`; cheap
     _threads()
     lm = load_model(**model_options)
     typer.echo(f"[vase] model {lm.name} on {lm.device} ({str(lm.dtype).replace('torch.', '')})", err=True)
     streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = run(lm.model, lm.tokenizer, text, streamer=streamer, **options)
+    rest = {k: v for k, v in options.items() if k in _RUN_ONLY + _DECODING}
+    result = run(lm.model, lm.tokenizer, text, streamer=streamer, config=config, **rest)
     sys.stdout.flush()
     typer.echo(result.stats_line())
     return result

@@ -193,6 +193,7 @@ class VaseConfig:
         window: int | None = None,
         compress_prompt: bool | None = None,
         compile: bool = False,
+        per_sequence: bool = False,
         **policy_options,
     ) -> VaseConfig:
         """Build and validate a configuration from the user's options (the names of the command line and the API).
@@ -205,6 +206,8 @@ class VaseConfig:
                 policy's, or the buffer for the published preset.
             compress_prompt: default: the policy's option ``prompt`` ('compress' unless 'dense', as the preset).
             compile: compiled decode steps (refused for the selection policy quest).
+            per_sequence: no budget and no ratio yet: each sequence's budget is set with :meth:`with_budget` (a sweep
+                whose budgets come from elsewhere); otherwise the default budget applies.
             **policy_options: options of the policy (see :func:`vase.make_policy`).
 
         Raises:
@@ -220,7 +223,7 @@ class VaseConfig:
         if ratio is not None:
             check_ratio(ratio)
             ratio = float(ratio)
-        elif budget is None:
+        elif budget is None and not per_sequence:
             budget = DEFAULT_BUDGET
         check_sizes(budget, buffer, sinks, window)
         built = make_policy(policy, **policy_options)

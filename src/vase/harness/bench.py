@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.config import VaseConfig
 from ..core.policies import make_policy
 
 DEFAULT_PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a mysterious map."
@@ -67,7 +68,7 @@ def _make_cache(model, policy: str, budget: int, buffer: int):
 
     if policy == "full":
         return DynamicCache(config=model.config)
-    return EvictingCache(model, policy=policy, budget=budget, buffer=buffer)
+    return EvictingCache(model, config=VaseConfig.resolve(policy, budget=budget, buffer=buffer))
 
 
 def _repeated_prompt(lm, prompt: str, length: int) -> torch.Tensor:
@@ -249,7 +250,7 @@ def _compiled_cache(model, label: str, budget: int, buffer: int, max_len: int):
     policy, compiled = label.removesuffix(COMPILED), label.endswith(COMPILED)
     if policy == "full":
         return StaticCache(config=model.config, max_cache_len=max_len) if compiled else _make_cache(model, "full", 0, 0)
-    return EvictingCache(model, policy=policy, budget=budget, buffer=buffer, compileable=compiled)
+    return EvictingCache(model, config=VaseConfig.resolve(policy, budget=budget, buffer=buffer, compile=compiled))
 
 
 def compiled_speed(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from ..core.config import VaseConfig
 from ..hf.models import check_load_options
 from .data import Problem, load_problems
 from .notes import warn
@@ -291,6 +292,11 @@ def run_sweep(
         return path
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
     budgets = _ratio_budgets(config, problems, lm.tokenizer, encode_prompts)
+    # one configuration per policy, resolved once (the budget of each work unit is set on it below)
+    resolved = {
+        p: VaseConfig.resolve(p, buffer=config.buffer, compress_prompt=True, per_sequence=True, **config.policy_options)
+        for p in config.policies
+    }
     bar = tqdm(
         total=len(units),
         initial=len(units) - len(todo),
@@ -308,15 +314,12 @@ def run_sweep(
                 lm.model,
                 lm.tokenizer,
                 [u[1].prompt() for u in batch],
-                policy=policy,
-                budget=budget,
-                buffer=config.buffer,
+                config=resolved[policy].with_budget(budget),
                 seed=[u[4] for u in batch],
                 max_new_tokens=config.max_new_tokens,
                 temperature=config.temperature,
                 top_p=config.top_p,
                 top_k=config.top_k,
-                **config.policy_options,
             )
             seconds = time.perf_counter() - start
             st = res.stats
