@@ -1,4 +1,4 @@
-"""Eviction cost of policy options as a share of decode time, without the profiler (issue 11).
+"""Eviction cost of policy options as a share of decode time, without the profiler.
 
 For each policy spec, in one process: a prompt of budget + buffer + 1 tokens (compressed at prefill, so the cache
 is full from the start), then ``--steps`` greedy decode steps; the cache times its evictions itself

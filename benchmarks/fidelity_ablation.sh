@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fidelity runs of docs/RESULTS.md sections 5 and 6 (issue #9): the published VaSE with each of its settings
+# The fidelity runs of docs/RESULTS.md sections 5 and 6: the published VaSE with each of its settings
 # reverted on its own, at budgets 256 and 128 (buffer 64), on 10 GSM8K reasoning traces and 10 text windows; then
 # planted value outliers on 5 text windows, with and without planting. Each run resumes if interrupted.
 # Usage: benchmarks/fidelity_ablation.sh gsm8k|text|plant     (then: python benchmarks/fidelity_ablation.py DIR...)

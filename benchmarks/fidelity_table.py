@@ -1,5 +1,5 @@
-"""Fidelity tables by compression ratio, merged over several run folders of the same sources, with the goal check of
-issue 11: is a candidate at or below the best baseline's mean KL at every ratio, on every source?
+"""Fidelity tables by compression ratio, merged over several run folders of the same sources, with a goal check: is a
+candidate at or below the best baseline's mean KL at every ratio, on every source?
 
 Usage::
 

@@ -1,7 +1,7 @@
-"""Adaptive budgets (issue 11, piece 3): how many tokens each KV head and each layer keeps, the total held static.
+"""Adaptive budgets: how many tokens each KV head and each layer keeps, the total held static.
 
-This module holds the allocation rules and the per-head attention mask; it is not wired into
-:class:`vase.EvictingCache` yet (see "Integration" below).
+This module holds the allocation rules, the physical layout and the per-head attention mask (see "Integration"
+below for how :class:`vase.EvictingCache` uses them).
 
 * :func:`head_counts`: per-head allocation within a layer, AdaKV (Feng et al. 2024, arXiv 2407.11550, Sec. 3,
   Algorithm 1): one top-k over the scores of all the layer's KV heads, so that a head whose attention is

@@ -9,7 +9,7 @@ configurations, for example (VaSE, arXiv 2606.03928, Sec. 5)::
     make_policy("vase", guard="random")                           # protect random slots instead
     make_policy("snapkv", guard="range", guard_mode="evict")      # evict the largest values first
 
-Beyond the paper (issue 11), also open to every evicting policy: an adaptive guard that protects only value outliers
+Beyond the paper, also open to every evicting policy: an adaptive guard that protects only value outliers
 (``guard_rule='outlier'``, ``outlier_factor``), and a recent window other than the buffer (``recent``); attention-based
 scorers also take ``value_weight`` ('l1': VATP, 'output_error': CAOTE), for example::
 
@@ -17,7 +17,7 @@ scorers also take ``value_weight`` ('l1': VATP, 'output_error': CAOTE), for exam
     make_policy("vase", guard_rule="outlier", outlier_factor=6)
     make_policy("h2o", recent=16)
 
-Adaptive budgets (issue 11), open to every evicting policy: ``head_budget='adakv'`` shares each layer's budget
+Adaptive budgets, open to every evicting policy: ``head_budget='adakv'`` shares each layer's budget
 between its KV heads by one top-k of the policy's scores over the whole layer (AdaKV, arXiv 2407.11550, Sec. 3),
 ``layer_budget='pyramid'`` gives the first layers more than the last (PyramidKV, arXiv 2406.02069, Sec. 3); the total
 kept stays layers x KV heads x budget (see :mod:`vase.core.budgets` and :class:`vase.EvictingCache`)::

@@ -286,7 +286,7 @@ def _record_slot_order(ctx, key, protected, mag, idx, rank_ok, forced) -> None:
     reference code of VaSE after this compaction: sinks first (by position), then the protected values by decreasing
     magnitude, then the other kept candidates by decreasing selection key (the draw order when sampling). These get
     ``rank - budget`` (negative); the recent window gets 0, meaning "ordered by position, after all of those".
-    Pooling with ``pool_order='slot'`` then follows the reference's layout (arXiv 2606.03928 code, issue #9 point 4).
+    Pooling with ``pool_order='slot'`` then follows the reference's layout (the arXiv 2606.03928 reference code).
     """
     b, h, s = key.shape
     kept = torch.zeros((b, h, s), dtype=torch.bool, device=key.device)
