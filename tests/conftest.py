@@ -98,8 +98,12 @@ DATA_DIR = __import__("pathlib").Path(__file__).resolve().parents[1].parent / "s
 
 
 def need_data(name: str):
-    """Path of a shared data file, or skip the test with the reason."""
+    """Path of a shared data file (``reasoning/...`` from ``$VASE_DATA_DIR`` when it is set, as the library reads
+    it), or skip the test with the reason."""
+    folder = __import__("os").environ.get("VASE_DATA_DIR")
     path = DATA_DIR / name
+    if folder and name.startswith("reasoning/"):
+        path = __import__("pathlib").Path(folder) / name.removeprefix("reasoning/")
     if not path.exists():
         pytest.skip(f"{path} is not here (the shared data of this workplace); the test needs it")
     return path

@@ -297,3 +297,4 @@ def test_stats_line_says_sequences_and_when_memory_exceeds_the_full_cache():
     line = batch.stats_line()
     assert line.startswith("[vase] 2 prompts, 24 tok in all, generated 80 tok in all | ")
     assert "| 2 sequences, 55 tokens seen each, " in line and "slots each" in line and "x smaller |" in line
+    assert " eviction steps | KV " in line  # steps in which any sequence evicted, not evictions per sequence

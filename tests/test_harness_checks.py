@@ -46,6 +46,9 @@ def text_file(tmp_path):
         (["--ratios", "0.5"], "compression ratio must be > 1"),
         (["--policies", "h2o:recent=200", "--tokens", "256"], "recent (200) + sinks (4) must be below the budget"),
         (["--policies", "vase:preset=paper", "--window", "8"], "No such option"),
+        (["--ratios", ""], "--ratios is empty and no --budgets are given: give at least one ratio or budget"),
+        (["--source", "gsm9k"], "data file not found: gsm9k (known task names: gsm8k"),
+        (["--source", "text:/tmp"], "/tmp is a folder: --source text:PATH takes a plain text file"),
     ],
 )
 def test_fidelity_checks_every_option_before_any_work(no_loading, tmp_path, task_file, args, message):  # noqa: F811

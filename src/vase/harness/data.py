@@ -77,7 +77,8 @@ def read_jsonl(path: Path) -> list[dict]:
         DataError: missing file, a format other than JSONL, or a line that is not a JSON object.
     """
     if not path.exists():
-        raise DataError(f"data file not found: {path}")
+        hint = "" if path.suffix else f" (known task names: {', '.join(TASK_FILES)}; or a path to a JSONL file)"
+        raise DataError(f"data file not found: {path}{hint}")
     if path.suffix not in (".jsonl", ".json") and not path.name.endswith(".jsonl.txt"):
         raise DataError(
             f"unknown file format {path.suffix or '(none)'} for {path}: vase reads JSONL, one JSON object per line"
