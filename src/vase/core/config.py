@@ -15,6 +15,14 @@ Sizes are in tokens per (sequence, layer, KV head):
 
 A compression ratio instead of a budget gives, for each sequence, ``budget = ceil(total / ratio)`` with ``total``
 = prompt + new tokens (:func:`ratio_budget`), at least ``sinks + buffer + 1`` (:meth:`VaseConfig.for_length`).
+
+With quantized entries (policy option ``kv_bits``, :mod:`vase.core.quant`) a kept token costs a fraction ``c`` of a
+token in the model's dtype (:func:`vase.core.quant.token_cost`), so sizes can be given in bytes: a **byte ratio** ``r``
+makes the bytes of what a compaction keeps (the budget's codes, scales and full-precision entries) ``1 / r`` of the
+full cache's bytes for the sequence, ``budget = ceil(total / (r * c))`` (a token ratio of ``r * c``; without
+``kv_bits`` the same budget as the ratio ``r``); a **memory budget** ``M`` is the bytes of ``M`` tokens in the model's
+dtype, ``budget = floor(M / c)``. The recent ``buffer`` (full precision in every configuration) comes on top of both,
+as it does for token budgets.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from . import budgets
+from . import budgets, quant
 from .policies import make_policy
 from .policy import Policy
 
@@ -134,9 +142,24 @@ def check_published(policy: Policy, budget: int, buffer: int, window: int) -> No
 
 
 def check_compileable_policy(policy: Policy) -> None:
-    """Raise a clear ValueError for a policy compiled decoding cannot take: the selection policy ``quest``."""
+    """Raise a clear ValueError for a policy compiled decoding cannot take: the selection policy ``quest``, or
+    quantized entries (``kv_bits``: dequantized into a workspace before each layer, outside any graph)."""
     if policy.sparse is not None:
         raise ValueError(f"compiled decoding does not support the selection policy {policy.name!r}: use another one")
+    if policy.options.get("kv_bits") is not None:
+        raise ValueError(
+            "compiled decoding does not support quantized entries (kv_bits): they are dequantized before each "
+            "layer's attention, outside the graph; decode uncompiled (compile=False) or without kv_bits"
+        )
+
+
+def check_element_bytes(element_bytes) -> None:
+    """Raises ValueError unless ``element_bytes`` (bytes of one element in the model's dtype) is 1, 2, 4 or 8."""
+    if isinstance(element_bytes, bool) or element_bytes not in (1, 2, 4, 8):
+        raise ValueError(
+            f"element_bytes must be the size of the model's dtype in bytes (4 for float32, 2 for bfloat16), got "
+            f"{element_bytes!r}"
+        )
 
 
 def compiled_capacity(tokens: int) -> int:
@@ -169,6 +192,9 @@ class VaseConfig:
         compress_prompt: compress a prompt longer than the budget at prefill (False: dense until the first eviction,
             as the published code).
         compile: decode steps as fixed-shape graphs (``torch.compile``).
+        byte_ratio: the compression ratio in bytes asked for (``ratio`` then holds the token ratio it means,
+            ``byte_ratio * token_cost``), or None.
+        element_bytes: bytes of one element in the model's dtype, for sizes in bytes (None: not needed).
     """
 
     policy: Policy
@@ -180,6 +206,8 @@ class VaseConfig:
     recent: int
     compress_prompt: bool
     compile: bool = False
+    byte_ratio: float | None = None
+    element_bytes: int | None = None
 
     @classmethod
     def resolve(
@@ -194,6 +222,9 @@ class VaseConfig:
         compress_prompt: bool | None = None,
         compile: bool = False,
         per_sequence: bool = False,
+        byte_ratio: float | None = None,
+        memory_budget: float | None = None,
+        element_bytes: int | None = None,
         **policy_options,
     ) -> VaseConfig:
         """Build and validate a configuration from the user's options (the names of the command line and the API).
@@ -208,6 +239,12 @@ class VaseConfig:
             compile: compiled decode steps (refused for the selection policy quest).
             per_sequence: no budget and no ratio yet: each sequence's budget is set with :meth:`with_budget` (a sweep
                 whose budgets come from elsewhere); otherwise the default budget applies.
+            byte_ratio: a compression ratio in bytes instead of a budget (see the module docstring), applied per
+                sequence by :meth:`for_length`.
+            memory_budget: the bytes of this many tokens in the model's dtype, per (sequence, layer, KV head),
+                instead of a budget: the budget is as many tokens as fit at the policy's ``kv_bits``.
+            element_bytes: bytes of one element in the model's dtype (4 for float32, 2 for bfloat16); needed with a
+                byte ratio or a memory budget when the policy has ``kv_bits``.
             **policy_options: options of the policy (see :func:`vase.make_policy`).
 
         Raises:
@@ -216,10 +253,33 @@ class VaseConfig:
                 ``sinks + recent`` not below the budget; the published preset with a budget that is not a multiple
                 of the buffer or a window other than the buffer; quest with a budget below its forced pages;
                 adaptive budgets whose ``budget_cap`` is below the first layer's pyramid budget; ``compile`` with
-                quest.
+                quest or with ``kv_bits``; ``kv_bits`` not one of none, 8, 4, 2, ``protect_precision=guard`` without
+                a value guard (see :func:`vase.core.quant.check_options`), ``kv_bits`` with adaptive budgets; more
+                than one of budget, ratio, byte ratio and memory budget; a byte ratio <= 1; a memory budget whose
+                budget is not larger than sinks + buffer; a size in bytes with ``kv_bits`` but no ``element_bytes``.
         """
-        if budget is not None and ratio is not None:
+        sizes = [n for n, v in (("budget", budget), ("ratio", ratio), ("byte_ratio", byte_ratio)) if v is not None]
+        if memory_budget is not None:
+            sizes.append("memory_budget")
+        if sizes == ["budget", "ratio"]:
             raise ValueError("give either a budget or a compression ratio, not both")
+        if len(sizes) > 1:
+            raise ValueError(
+                f"give one of a budget, a compression ratio, a byte ratio or a memory budget, not {' and '.join(sizes)}"
+            )
+        if byte_ratio is not None or memory_budget is not None:
+            return cls._resolve_bytes(
+                policy,
+                byte_ratio,
+                memory_budget,
+                element_bytes,
+                buffer=buffer,
+                sinks=sinks,
+                window=window,
+                compress_prompt=compress_prompt,
+                compile=compile,
+                **policy_options,
+            )
         if ratio is not None:
             check_ratio(ratio)
             ratio = float(ratio)
@@ -244,7 +304,78 @@ class VaseConfig:
         )
         if compile:
             check_compileable_policy(built)
+        if built.options.get("kv_bits") is not None and built.adaptive_budgets:
+            raise ValueError("kv_bits does not combine with adaptive budgets (head_budget / layer_budget) yet")
         return config.with_budget(budget) if budget is not None else config
+
+    @classmethod
+    def _resolve_bytes(cls, policy, byte_ratio, memory_budget, element_bytes, **options) -> VaseConfig:
+        """:meth:`resolve` with a size in bytes (a byte ratio or a memory budget; see the module docstring)."""
+        if byte_ratio is not None:
+            if (
+                isinstance(byte_ratio, bool)
+                or not isinstance(byte_ratio, (int, float))
+                or not 1 < byte_ratio < math.inf
+            ):
+                raise ValueError(
+                    f"byte compression ratio must be > 1 (e.g. 8 for 8x fewer bytes kept), got {byte_ratio!r}"
+                )
+        elif isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget > 0:
+            raise ValueError(
+                f"memory budget must be a positive number of full-precision tokens' bytes, got {memory_budget!r}"
+            )
+        if element_bytes is not None:
+            check_element_bytes(element_bytes)
+        base = cls.resolve(policy, per_sequence=True, **options)
+        if base.kv_bits is not None and element_bytes is None:
+            raise ValueError(
+                "a size in bytes with kv_bits needs element_bytes, the size of the model's dtype (4 for float32, 2 for "
+                "bfloat16)"
+            )
+        base = replace(base, element_bytes=element_bytes)
+        cost = base.token_cost
+        if byte_ratio is not None:
+            return replace(base, ratio=float(byte_ratio) * cost, byte_ratio=float(byte_ratio))
+        fits = math.floor(memory_budget / cost + 1e-9)
+        if fits <= base.sinks + base.buffer:
+            raise ValueError(
+                f"a memory budget of {memory_budget:g} tokens' bytes holds {fits} tokens"
+                + (f" at kv_bits={base.kv_bits} ({cost:.3f} of a token each)" if base.kv_bits is not None else "")
+                + f", not more than sinks + buffer ({base.sinks} + {base.buffer} = {base.sinks + base.buffer}): raise "
+                "the memory budget, lower the buffer or the bits"
+            )
+        return base.with_budget(fits)
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits per stored key/value element of the kept entries (policy option ``kv_bits``), None: the model's
+        dtype."""
+        return self.policy.options.get("kv_bits")
+
+    @property
+    def kv_group(self) -> int:
+        """Channels per quantization group (policy option ``kv_group``)."""
+        return self.policy.options.get("kv_group", quant.DEFAULT_GROUP)
+
+    @property
+    def protect_precision(self) -> str:
+        """'guard' when the value guard keeps its entries in full precision, else 'none'."""
+        return self.policy.options.get("protect_precision", "none")
+
+    @property
+    def token_cost(self) -> float:
+        """Bytes of a kept token over those of a token in the model's dtype (:func:`vase.core.quant.token_cost`; 1
+        without ``kv_bits``).
+
+        Raises:
+            ValueError: with ``kv_bits`` but no ``element_bytes``.
+        """
+        if self.kv_bits is None:
+            return 1.0
+        if self.element_bytes is None:
+            raise ValueError("the cost of a quantized token needs element_bytes (the size of the model's dtype)")
+        share = self.policy.guard.share if self.protect_precision == "guard" and self.policy.guard else 0.0
+        return quant.token_cost(self.kv_bits, self.kv_group, self.element_bytes, share)
 
     def with_budget(self, budget: int) -> VaseConfig:
         """This configuration at a fixed ``budget`` (tokens), with every budget rule checked.
@@ -306,7 +437,19 @@ class VaseConfig:
         if self.ratio is None:
             return None
         pub = self.policy.published if published is None else published
-        return ratio_note(total_tokens, self.ratio, self.buffer, self.sinks, pub)
+        note = ratio_note(total_tokens, self.ratio, self.buffer, self.sinks, pub)
+        if note is None or self.byte_ratio is None:
+            return note
+        budget = ratio_budget(total_tokens, self.ratio, self.buffer, self.sinks, pub)
+        measured = self.byte_ratio * self.ratio_of(total_tokens, budget)
+        return (
+            f"byte ratio {self.byte_ratio:g}x asked, {measured:.2f}x measured for {total_tokens} tokens: the budget is "
+            f"raised to {budget} (at least sinks + buffer + 1 = {self.sinks + self.buffer + 1})"
+        )
+
+    def ratio_of(self, total_tokens: int, budget: int) -> float:
+        """The compression a budget gives a sequence, relative to the ratio asked (1.0: as asked)."""
+        return total_tokens / budget / self.ratio
 
     def layout(self, layers: int) -> tuple[list[int], int]:
         """Per-layer budgets and physical slots per (layer, KV head) for kept tokens (see
@@ -320,5 +463,10 @@ class VaseConfig:
 
     def describe(self) -> str:
         """One line: policy, budget (or ratio), buffer, sinks."""
-        size = f"budget {self.budget}" if self.budget is not None else f"ratio {self.ratio:g}x"
+        if self.budget is not None:
+            size = f"budget {self.budget}"
+        elif self.byte_ratio is not None:
+            size = f"byte ratio {self.byte_ratio:g}x"
+        else:
+            size = f"ratio {self.ratio:g}x"
         return f"{self.policy.name}, {size}, buffer {self.buffer}, sinks {self.sinks}"

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import quant
 from .budgets import BUDGET_CAP, FLOOR_SHARE, PYRAMID_BETA
 from .scoring import VALUE_WEIGHTS, EvictionContext, Scorer
 from .selection import (
@@ -67,6 +68,17 @@ COMMON_OPTIONS = {
     "budget_cap": BUDGET_CAP,
     "head_floor": FLOOR_SHARE,
     "pyramid_beta": PYRAMID_BETA,
+    **{"kv_bits": None, "kv_group": quant.DEFAULT_GROUP, "protect_precision": "none"},
+}
+# the options of the full cache with quantized storage (policy ``full``: quantization alone, no eviction)
+QUANT_OPTIONS = {
+    "kv_bits": None,
+    "kv_group": quant.DEFAULT_GROUP,
+    "protect_precision": "none",
+    "guard": None,
+    "protect_share": 0.25,
+    "guard_rule": "share",
+    "outlier_factor": 6.0,
 }
 AMBIGUOUS_TEMPERATURE = (
     "the policy option 'temperature' is ambiguous: use sampling_temperature (exponent on the scores when sampling "
@@ -155,7 +167,10 @@ class Policy:
     def describe(self) -> str:
         """One line: scorer + guard + selector."""
         if not self.evicts:
-            return f"{self.name}: never evicts" + (f"; {self.sparse.describe()}" if self.sparse is not None else "")
+            kv = f"; {self.quant_text()}" if self.options.get("kv_bits") is not None else ""
+            return (
+                f"{self.name}: never evicts" + (f"; {self.sparse.describe()}" if self.sparse is not None else "") + kv
+            )
         parts = [self.scorer.describe()]
         if self.guard is not None:
             parts.append(self.guard.describe())
@@ -168,7 +183,17 @@ class Policy:
             parts.append(f"PyramidKV layer budgets (beta {self.options.get('pyramid_beta', PYRAMID_BETA):g})")
         if self.adaptive_budgets:
             parts.append(f"cap {self.options.get('budget_cap', BUDGET_CAP):g}x budget")
+        if self.options.get("kv_bits") is not None:
+            parts.append(self.quant_text())
         return f"{self.name}: " + " + ".join(parts)
+
+    def quant_text(self) -> str:
+        """``'4-bit KV (groups of 32)'`` (with the guard's full-precision share when protecting), or ''."""
+        o = self.options
+        share = self.guard.share if self.guard is not None else None
+        return quant.bits_text(
+            o.get("kv_bits"), o.get("kv_group", quant.DEFAULT_GROUP), o.get("protect_precision"), share
+        )
 
 
 def compose(
@@ -178,16 +203,24 @@ def compose(
     make_scorer: Callable[..., Scorer] | None,
     scorer_defaults: dict[str, Any],
     options: dict[str, Any],
+    quantizable: bool = False,
     **common_defaults: Any,
 ) -> Policy:
     """Build a :class:`Policy` from a scorer factory, its defaults and the user's options.
 
+    ``quantizable``: a policy that never evicts (``make_scorer`` None) but takes the quantization options
+    (:data:`QUANT_OPTIONS`: ``full``); evicting policies always take them (``kv_bits``, ``kv_group``,
+    ``protect_precision``; see :mod:`vase.core.quant`).
+
     Raises:
-        ValueError: for an option the policy does not take (lists the valid ones) or a bad value.
+        ValueError: for an option the policy does not take (lists the valid ones) or a bad value (see
+            :func:`vase.core.quant.check_options` for the quantization options).
     """
     if "temperature" in options:
         raise ValueError(AMBIGUOUS_TEMPERATURE)
     common = dict(COMMON_OPTIONS, **common_defaults) if make_scorer is not None else {}
+    if make_scorer is None and quantizable:
+        common = dict(QUANT_OPTIONS)
     allowed = {**scorer_defaults, **common}
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -196,7 +229,7 @@ def compose(
         raise ValueError(f"policy {name!r} does not take option(s) {', '.join(unknown)}{hint}; valid options: {valid}")
     opts = {**allowed, **{k: v for k, v in options.items()}}
     if make_scorer is None:
-        return Policy(name, None, TopK(), None, source, keeps, opts)
+        return Policy(name, None, TopK(), _quant_guard(opts, options) if quantizable else None, source, keeps, opts)
 
     for key in ("window", "kernel", "rank"):
         if key in opts and (not isinstance(opts[key], int) or opts[key] < 1):
@@ -243,6 +276,7 @@ def compose(
 
     check_budget_options(opts, options)
 
+    quant.check_options(opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard_of(opts))
     scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
     selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
     guard = (
@@ -258,6 +292,44 @@ def compose(
         else None
     )
     return Policy(name, scorer, selector, guard, source, keeps, opts)
+
+
+def guard_of(opts: dict) -> ValueGuard | None:
+    """The value guard resolved options describe (None without a metric or with a zero share)."""
+    if opts.get("guard") is None or not float(opts["protect_share"]) > 0:
+        return None
+    return ValueGuard(
+        opts["guard"],
+        float(opts["protect_share"]),
+        opts.get("guard_mode", "protect"),
+        opts.get("guard_sinks", "outside"),
+        opts.get("guard_rule", "share"),
+        float(opts.get("outlier_factor", 6.0)),
+    )
+
+
+def _quant_guard(opts: dict, given: dict) -> ValueGuard | None:
+    """The guard of a policy that never evicts but stores its entries quantized (``full``): it only chooses the
+    entries kept in full precision (``protect_precision='guard'``).
+
+    Raises:
+        ValueError: see :func:`vase.core.quant.check_options`; guard options without ``protect_precision=guard``.
+    """
+    share = opts["protect_share"]
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share < 1.0:
+        raise ValueError(f"protected share must be in [0, 1), got {share!r}")
+    if opts["guard"] is not None and opts["guard"] not in GUARD_METRICS:
+        raise ValueError(f"unknown value-guard metric {opts['guard']!r}; choose one of {', '.join(GUARD_METRICS)}")
+    check_guard_rule(opts["guard_rule"], opts["outlier_factor"], opts["guard"])
+    guard = guard_of(opts)
+    quant.check_options(opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard)
+    extra = sorted(k for k in ("guard", "protect_share", "guard_rule", "outlier_factor") if k in given)
+    if extra and opts["protect_precision"] != "guard":
+        raise ValueError(
+            f"{', '.join(extra)}: a policy that never evicts uses a value guard only to keep entries in full "
+            "precision: add kv_bits and protect_precision=guard"
+        )
+    return guard
 
 
 def did_you_mean(name: str, choices) -> str:
