@@ -38,6 +38,7 @@ from . import attention as attn
 from . import hybrid
 from .compiled import CompiledDecodeMixin, check_compileable
 from .layer import EvictingLayer
+from .quantized import QuantizedCacheMixin, QuantizedLayer
 from .schedule import ScheduleMixin
 from .stats import CacheStats
 from .step import StepPlan
@@ -54,7 +55,7 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
 
 
-class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
+class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cache):
     """A KV cache held at ``budget + buffer`` tokens per layer by an eviction policy.
 
     Example::
@@ -105,7 +106,15 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
         config: a resolved :class:`vase.VaseConfig` instead of the policy and size arguments (which then stay at
             their defaults); its budget must be fixed (a ratio: ``config.for_length(prompt + new tokens)``).
         **policy_options: options of the policy (window, kernel, pool, guard, protect_share, guard_mode, selector,
-            temperature, lam, rank, head_budget, layer_budget, budget_cap; see :func:`vase.make_policy`).
+            temperature, lam, rank, head_budget, layer_budget, budget_cap; see :func:`vase.make_policy`), and the
+            storage options: ``kv_bits`` (8, 4 or 2: kept entries stored quantized, see "Quantized storage" below),
+            ``kv_group``, ``protect_precision``.
+
+    Quantized storage (policy option ``kv_bits``, :mod:`vase.hf.quantized`, :mod:`vase.core.quant`): what a
+    compaction keeps is stored in ``kv_bits``-bit integers with float16 scales, allocated once; the tokens written since
+    a row's last compaction stay in full precision (for ``full``: every token older than its last ``buffer`` block);
+    with ``protect_precision='guard'`` the value guard's largest entries stay in full precision too.
+    ``stats().bytes_held`` counts every byte stored. Not with compiled decoding or adaptive budgets (clear errors).
 
     Compiled decoding (``compileable=True``, :mod:`vase.hf.compiled`): a decode step (one token per row, after the
     first forward) is a fixed-shape graph; the eager part (eviction, bookkeeping) runs before it in
@@ -122,7 +131,9 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
             or, at the first forward, keys of another shape than the model's, a cache reused for another model or
             batch size, or reused without :meth:`reset` for a new prompt no longer than the tokens it holds; with
             ``compileable``, see :func:`vase.hf.compiled.check_compileable`; ``config`` together with policy or size
-            arguments, or a ``config`` whose budget waits for a ratio.
+            arguments, or a ``config`` whose budget waits for a ratio; the storage options of
+            :func:`vase.core.quant.check_options`, and at the first forward a ``kv_group`` that does not divide the
+            head dim.
     """
 
     def __init__(
@@ -192,10 +203,12 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
             budgets.check_head_budgets_supported(attn.base_implementation(model))
         self.compileable = bool(compileable) or config.compile
         self.max_cache_len = max_cache_len
+        self.kv_bits, self.kv_group, self.protect_precision = config.kv_bits, config.kv_group, config.protect_precision
         if self.compileable:
             check_compileable(self.policy, self._plan, attn.base_implementation(model), max_cache_len)
         self._model_ref = weakref.ref(model)
-        layers = [EvictingLayer(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
+        kind = QuantizedLayer if self.kv_bits is not None else EvictingLayer
+        layers = [kind(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
         super().__init__(layers=layers)
         attn.install(model)
         self._clear()
@@ -208,6 +221,9 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
         self._seen = 0
         self._real: list[int] = []
         self._row_evictions: list[int] = []
+        self._qlimit: list[int] = []  # kv_bits: each row's logical slots below which entries are stored quantized
+        self._workspace = None  # kv_bits: the shared dequantization workspace (vase.hf.quantized)
+        self._dequant_seconds = self._quant_seconds = 0.0
         self._evictions = 0
         self._tokens_evicted = 0
         self._eviction_seconds = 0.0
@@ -323,7 +339,7 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
                 b, h = layer.keys.shape[:2]
                 entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
                 full += b * h * self._seen * entry
-                live += int((layer.positions >= 0).sum()) * entry
+                live += layer.live_bytes()
         held += other
         full += other
         batch = self.batch or 0
@@ -346,6 +362,11 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, Cache):
             other_layers=len(self._plan) - len(self._evicting),
             bytes_other=other,
             bytes_live=live,
+            kv_bits=self.kv_bits,
+            kv_group=self.kv_group,
+            bytes_workspace=self.workspace_bytes(),
+            dequant_seconds=self._dequant_seconds,
+            quant_seconds=self._quant_seconds,
         )
 
 

@@ -67,7 +67,8 @@ def check_compileable(policy: Policy, plan, attn_impl: str, max_cache_len: int |
     Raises:
         ValueError: flash-attention (its padded path is not a fixed-shape graph: use sdpa), a hybrid model (its
             sliding-window layers are transformers' dynamic ones), the selection policy ``quest`` (its page table
-            grows with the sequence), a ``max_cache_len`` that is not a positive integer.
+            grows with the sequence), quantized entries (``kv_bits``: dequantized into a workspace outside any graph),
+            a ``max_cache_len`` that is not a positive integer.
     """
     if attn_impl not in ("sdpa", "eager"):
         raise ValueError(

@@ -152,7 +152,11 @@ def _tensor_bytes(t) -> int:
 
 def state_bytes(layer) -> int:
     """Bytes a transformers cache layer holds now: its key and value tensors (attention layers), its convolution and
-    recurrent states (linear-attention layers), both for a layer that has both."""
+    recurrent states (linear-attention layers), both for a layer that has both; a layer with a ``storage_bytes()``
+    method (vase's quantized layer) says itself."""
+    storage = getattr(layer, "storage_bytes", None)
+    if callable(storage):  # a quantized evicting layer: its packed stores (vase.hf.quantized)
+        return storage()
     total = 0
     if isinstance(layer, CacheLayerMixin):
         total += _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))

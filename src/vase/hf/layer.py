@@ -143,6 +143,7 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         elif self.capacity < step.capacity and not c.policy.evicts:
             self._grow(step.capacity)
+        self._ready(step)
         if c.policy.sparse is not None:
             c.policy.sparse.write(self, step, key_states)
         if step.append:
@@ -234,8 +235,22 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
                     self._compact_rows(step)
             else:
                 self._write_staged(step)
+            self._stored(step)
         self._staged = None
         c._layer_done(self)
+
+    def _ready(self, step: StepPlan) -> None:
+        """Before this layer's entries are read or written in a forward pass: nothing here (the buffers hold them);
+        a quantized layer (:class:`vase.hf.quantized.QuantizedLayer`) dequantizes them into its workspace."""
+
+    def _stored(self, step: StepPlan) -> None:
+        """After this layer's write or compaction of a forward pass: nothing here; a quantized layer stores what
+        changed (:class:`vase.hf.quantized.QuantizedLayer`)."""
+
+    def live_bytes(self) -> int:
+        """Bytes of this layer's key/value entries holding a token now (see :attr:`vase.CacheStats.bytes_live`)."""
+        entry = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+        return int((self.positions >= 0).sum()) * entry
 
     # ----------------------------------------------------------------------------------------------- eviction
     def _select(self, step, rows, keys, values, positions, valid, state) -> tuple[torch.Tensor, torch.Tensor]:

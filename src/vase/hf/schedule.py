@@ -159,6 +159,7 @@ class ScheduleMixin:
                 self.capacity = self._graph_capacity(max(n) + self.budget)
         append = q == 1 and self.layers[self._evicting[0]].is_initialized
         uniform = new_valid is None and len(set(fill)) == 1
+        quant = self._plan_quantization(keep, evict_rows, append) if self.quantized else (None, [])
         self._step = StepPlan(
             q=q,
             append=append,
@@ -172,6 +173,8 @@ class ScheduleMixin:
             uniform=uniform,
             device=device,
             capacity=self.capacity,
+            qlimit=quant[0],
+            flush_rows=quant[1],
         )
         return self._step
 
@@ -194,17 +197,21 @@ class ScheduleMixin:
         return max(self.budget, (prompt // self.buffer) * self.buffer) + self.buffer
 
     def room(self) -> list[int]:
-        """Tokens each row can take before its next eviction (the eviction happens at the token that fills it).
+        """Tokens each row can take before its next eviction (the eviction happens at the token that fills it); with
+        ``kv_bits``, before its next eviction or quantization of its recent tokens, whichever comes first (the
+        ``full`` policy included).
 
         Known after the first forward pass; used by :func:`vase.harness.fidelity.replay` to cut teacher-forced chunks
-        exactly where token-by-token decoding would evict.
+        exactly where token-by-token decoding would evict (or quantize).
 
         Raises:
-            RuntimeError: before the first forward pass, or for a policy that never evicts.
+            RuntimeError: before the first forward pass, or for a policy that never evicts (without ``kv_bits``).
         """
-        if self.capacity is None or not self.policy.evicts:
-            raise RuntimeError("room() is known after the first forward pass, for an evicting policy")
+        if self.capacity is None or not (self.policy.evicts or self.quantized):
+            raise RuntimeError("room() is known after the first forward pass, for an evicting or quantizing policy")
         self._flush()
+        if self.quantized:
+            return self._quantization_room()
         return [lim - f for lim, f in zip(self._limits(), self._fill)]
 
     def _limits(self) -> list[int]:
@@ -233,6 +240,8 @@ class ScheduleMixin:
         for i in step.evict_rows:
             self._row_evictions[i] += 1
         self._fill = list(step.keep)
+        if step.qlimit is not None:
+            self._qlimit = list(step.qlimit)
         self._real = [r + c for r, c in zip(self._real, step.counts)]
         self._seen += step.q
         self._decode_ok = self.compileable

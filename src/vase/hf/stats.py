@@ -34,7 +34,18 @@ class CacheStats:
         other_layers: layers of a hybrid model kept as transformers holds them (sliding-window, linear attention).
         bytes_other: bytes those layers hold now (keys/values of a sliding window, convolution and recurrent states).
         bytes_live: bytes of the evicting layers' key/value entries holding a token right now: what attention reads
-            there (below their buffers by the free slots and, with adaptive budgets, the dead ones).
+            there (below their buffers by the free slots and, with adaptive budgets, the dead ones); quantized entries
+            at their codes and scales.
+        kv_bits: bits per stored element of the kept entries (policy option ``kv_bits``), None: the model's dtype.
+            ``bytes_held`` then counts every byte the evicting layers store (:mod:`vase.hf.quantized`): packed codes,
+            float16 steps and minima, the key channel factors and the full-precision store (the guard's entries and
+            the recent tokens); entry positions and scorer state are not counted, with or without ``kv_bits``.
+        kv_group: channels per quantization group.
+        bytes_workspace: the dequantization workspace (one layer's entries in the model's dtype, shared by all
+            layers; not in ``bytes_held``: a fused attention kernel would not need it).
+        dequant_seconds: wall time spent dequantizing entries for attention (seconds).
+        quant_seconds: wall time spent quantizing and storing entries after compactions and multi-token steps
+            (seconds; within ``eviction_seconds`` for the steps that evict).
     """
 
     policy: str
@@ -55,6 +66,11 @@ class CacheStats:
     other_layers: int = 0
     bytes_other: int = 0
     bytes_live: int = 0
+    kv_bits: int | None = None
+    kv_group: int = 32
+    bytes_workspace: int = 0
+    dequant_seconds: float = 0.0
+    quant_seconds: float = 0.0
 
     @property
     def compression(self) -> float:
@@ -77,6 +93,8 @@ class CacheStats:
             )
         if self.other_layers:
             text += f" (both incl. {self.bytes_other / mib:.2f} MiB in {self.other_layers} sliding/linear layers)"
+        if self.kv_bits is not None:
+            text += f", + {self.bytes_workspace / mib:.2f} MiB dequantization workspace"
         return text
 
     def line(self) -> str:
@@ -85,8 +103,9 @@ class CacheStats:
         8.44 MiB held vs 26.10 MiB full: 3.09x smaller``."""
         seqs = f"{self.batch} sequence" + ("s" if self.batch != 1 else "")
         each = " each" if self.batch > 1 else ""
+        kv = f", {self.kv_bits}-bit KV (groups of {self.kv_group})" if self.kv_bits is not None else ""
         return (
-            f"policy {self.policy}, budget {self.budget} + buffer {self.buffer} | {seqs}, {self.tokens_seen} tokens "
-            f"seen{each}, {self.evictions} evictions | KV {self.slots_held}/{self.capacity} slots{each}, "
+            f"policy {self.policy}, budget {self.budget} + buffer {self.buffer}{kv} | {seqs}, {self.tokens_seen} "
+            f"tokens seen{each}, {self.evictions} evictions | KV {self.slots_held}/{self.capacity} slots{each}, "
             f"{self.memory_text()}"
         )

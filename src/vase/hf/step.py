@@ -40,6 +40,8 @@ class StepPlan:
     device: torch.device
     capacity: int
     layers_done: int = 0
+    qlimit: list[int] | None = None  # kv_bits: logical slots below which each row's entries are quantized after it
+    flush_rows: list[int] = field(default_factory=list)  # kv_bits: rows quantizing their recent tokens, no eviction
     _memo: dict = field(default_factory=dict)
 
     @property
