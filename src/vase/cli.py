@@ -82,6 +82,18 @@ def _policy_options(protect_share: float | None) -> dict:
     return {} if protect_share is None else {"protect_share": protect_share}
 
 
+def _byte_sizes(byte_ratio: float | None, memory_budget: float | None, dtype: str, device: str) -> dict:
+    """A size in bytes (``--byte-ratio`` / ``--memory-budget``) with the bytes of the model's dtype it is counted in,
+    or nothing."""
+    if byte_ratio is None and memory_budget is None:
+        return {}
+    from .hf.models import check_load_options, resolve_device, resolve_dtype
+
+    check_load_options(dtype, device)
+    element = resolve_dtype(dtype, resolve_device(device)).itemsize
+    return {"byte_ratio": byte_ratio, "memory_budget": memory_budget, "element_bytes": element}
+
+
 def _threads():
     import torch
 
@@ -118,6 +130,12 @@ def generate(
     policy: str = PolicyOpt,
     budget: int | None = BudgetOpt,
     ratio: float | None = RatioOpt,
+    byte_ratio: float | None = typer.Option(
+        None, "--byte-ratio", help="compression ratio in bytes (with kv_bits in --policy: the budget those bytes hold)"
+    ),
+    memory_budget: float | None = typer.Option(
+        None, "--memory-budget", help="KV bytes per layer and KV head, as the tokens they hold in the model's dtype"
+    ),
     buffer: int = BufferOpt,
     window: int | None = WindowOpt,
     protect_share: float | None = ShareOpt,
@@ -142,6 +160,7 @@ def generate(
         policy=policy,
         budget=budget,
         compression_ratio=ratio,
+        **_byte_sizes(byte_ratio, memory_budget, dtype, device),
         buffer=buffer,
         sinks=sinks,
         window=window,
@@ -396,6 +415,11 @@ def fidelity(
     budgets: str | None = typer.Option(
         None, help="comma-separated budgets in tokens (instead of the default ratios; give --ratios too for both)"
     ),
+    byte_ratios: str | None = typer.Option(
+        None,
+        "--byte-ratios",
+        help="comma-separated compression ratios in bytes: each policy gets the budget those bytes hold at its kv_bits",
+    ),
     buffer: int = BufferOpt,
     bucket: int = typer.Option(256, help="position bucket size for the per-position report"),
     seed: int = SeedOpt,
@@ -414,7 +438,10 @@ def fidelity(
     """KL(full || policy), top-1 agreement and perplexity change, replaying the full cache's continuation.
 
     With --plant-layers and --plant-tokens, value outliers are planted (the same in the reference and the policies)
-    and the records say which share of them each policy still holds at the end."""
+    and the records say which share of them each policy still holds at the end.
+
+    With --byte-ratios, each policy (quantized ones with kv_bits in their spec, e.g. vase:kv_bits=4) gets the budget
+    whose kept bytes are the full cache's over the ratio, in the model's dtype; records add the bytes held."""
     from .harness.fidelity import FidelityConfig, run_fidelity
 
     _threads()
@@ -428,6 +455,7 @@ def fidelity(
         policies=_policies(policies),
         ratios=_csv(ratios, float),
         budgets=_csv(budgets, int),
+        byte_ratios=_csv(byte_ratios, float),
         buffer=buffer,
         bucket=bucket,
         seed=seed,

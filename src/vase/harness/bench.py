@@ -174,8 +174,11 @@ def paired_speed(
 
     Returns:
         ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
-        "vs_first", "kv_bytes"}]}``; tokens/s = steps / total seconds of that policy's blocks; ``kv_bytes``: what
-        its cache holds at the end (:func:`kv_bytes`: buffers allocated, quest's page metadata included).
+        "vs_first", "kv_bytes", "evict_ms", "dequant_ms"}]}``; tokens/s = steps / total seconds of that policy's
+        blocks; ``kv_bytes``: what its cache holds at the end (:func:`kv_bytes`: buffers allocated, quest's page
+        metadata included); ``evict_ms`` / ``dequant_ms``: milliseconds per decode step spent evicting (scoring,
+        selection, compaction and, with ``kv_bits``, quantizing what is kept) and dequantizing for attention
+        (``kv_bits``), over the timed steps (0 for ``DynamicCache``).
 
     Raises:
         ValueError: for ``steps`` < 1 or a ``context`` shorter than ``budget + buffer``.
@@ -195,6 +198,7 @@ def paired_speed(
         states.append(
             {"policy": policy, "cache": cache, "step": step, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []}
         )
+        states[-1].update(evict=0.0, dequant=0.0)
     bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)
     turn = 0
     while any(s["done"] < steps for s in states):
@@ -204,12 +208,15 @@ def paired_speed(
             if n <= 0:
                 continue
             _sync(lm.device)
+            counters = _cost_counters(s["cache"])
             t0 = time.perf_counter()
             nxt, step, at = s["next"], s["step"], context + warmup + s["done"]
             for i in range(n):
                 nxt = step(nxt, at + i)
             _sync(lm.device)
             dt = time.perf_counter() - t0
+            ev, dq = (b - a for a, b in zip(counters, _cost_counters(s["cache"])))
+            s["evict"], s["dequant"] = s["evict"] + ev, s["dequant"] + dq
             s["next"], s["done"], s["seconds"] = nxt, s["done"] + n, s["seconds"] + dt
             s["blocks"].append(n / dt)
             bar.update(n)
@@ -223,10 +230,17 @@ def paired_speed(
             "block_tok_s": [min(s["blocks"]), max(s["blocks"])],
             "vs_first": steps / s["seconds"] / first,
             "kv_bytes": kv_bytes(s["cache"]),
+            "evict_ms": 1000 * s["evict"] / steps,
+            "dequant_ms": 1000 * s["dequant"] / steps,
         }
         for s in states
     ]
     return {"context": context, "steps": steps, "budget": budget, "buffer": buffer, "runs": runs}
+
+
+def _cost_counters(cache) -> tuple[float, float]:
+    """(eviction seconds, dequantization seconds) a cache has counted so far (0 for a transformers cache)."""
+    return getattr(cache, "_eviction_seconds", 0.0), getattr(cache, "_dequant_seconds", 0.0)
 
 
 def _eager_step(model, policy: str, cache):
@@ -353,14 +367,28 @@ def paired_markdown(res: dict) -> str:
         f"{res['steps']} steps per policy in turns of {res['buffer']}; budget {res['budget']} + buffer "
         f"{res['buffer']}:",
         "",
-        *_table(["policy", "tok/s", "slowest / fastest turn (tok/s)", f"× {ref}", "KV MiB at the end", f"KV × {ref}"]),
+        *_table(
+            [
+                "policy",
+                "tok/s",
+                "slowest / fastest turn (tok/s)",
+                f"× {ref}",
+                "KV MiB at the end",
+                f"KV × {ref}",
+                "eviction ms/step",
+                "dequantization ms/step",
+            ]
+        ),
     ]
     kv_ref = res["runs"][0].get("kv_bytes")
     for r in res["runs"]:
         lo, hi = r["block_tok_s"]
         kv = r.get("kv_bytes")
         mem = [f"{kv / MIB:.1f}", f"{kv / kv_ref:.3f}"] if kv is not None and kv_ref else ["—", "—"]
-        lines.append(_row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}", *mem]))
+        cost = [f"{r[k]:.2f}" if k in r else "—" for k in ("evict_ms", "dequant_ms")]
+        lines.append(
+            _row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}", *mem, *cost])
+        )
     return "\n".join(lines) + "\n"
 
 

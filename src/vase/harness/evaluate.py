@@ -189,6 +189,10 @@ def check_same_config(out: Path, config: RunConfig) -> None:
     if not path.exists():
         return
     mine, theirs = json.loads(config.model_dump_json()), json.loads(path.read_text())
+    fields = type(config).model_fields
+    for k in set(mine) - set(theirs):  # a field added since that run: its default there
+        if not fields[k].is_required():
+            theirs[k] = json.loads(json.dumps(fields[k].get_default(call_default_factory=True)))
     diffs = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if diffs:
         what = "; ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diffs)

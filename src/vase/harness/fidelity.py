@@ -22,11 +22,11 @@ import torch
 from pydantic import Field, model_validator
 
 from ..core.config import VaseConfig, check_sizes, ratio_budget
-from ..hf.models import check_load_options
+from ..hf.models import check_load_options, resolve_device, resolve_dtype
 from .data import load_problems
 from .evaluate import RunConfig, check_same_config, prepare_dir, read_records
 from .notes import warn
-from .outliers import PlantedValues, kept_share
+from .outliers import PlantedValues, full_precision_share, kept_share
 
 SOURCES_FILE = "sources.jsonl"
 DEFAULT_RATIOS = (2.0, 4.0, 8.0)
@@ -42,6 +42,7 @@ class FidelityConfig(RunConfig):
     prefix_tokens: int = 64  # text sources: tokens of context before the continuation
     ratios: list[float] = Field(default_factory=list)  # none and no budgets: DEFAULT_RATIOS
     budgets: list[int] = Field(default_factory=list)
+    byte_ratios: list[float] = Field(default_factory=list)  # compression ratios in bytes (kv_bits: see VaseConfig)
     bucket: int = 256
     seed: int = 0
     plant_layers: list[int] = Field(default_factory=list)  # planted value outliers (harness.outliers); none by default
@@ -50,9 +51,9 @@ class FidelityConfig(RunConfig):
 
     @model_validator(mode="after")
     def _default_sizes(self):
-        """Budgets replace the default ratios: the ratios default to :data:`DEFAULT_RATIOS` only when no budget is
-        given either."""
-        if not self.ratios and not self.budgets:
+        """Budgets replace the default ratios: the ratios default to :data:`DEFAULT_RATIOS` only when no budget (and
+        no byte ratio) is given either."""
+        if not self.ratios and not self.budgets and not self.byte_ratios:
             self.ratios = list(DEFAULT_RATIOS)
         return self
 
@@ -98,8 +99,9 @@ def replay(
     out = [torch.log_softmax(model(input_ids=prompt_ids.view(1, -1).to(dev), cache=cache).logits[0, -1:].float(), -1)]
     fed = continuation[:-1]
     start = 0
+    cut = cache.policy.evicts or cache.quantized  # chunks end where decoding evicts (or quantizes, with kv_bits)
     while start < fed.numel():
-        c = fed.numel() - start if not cache.policy.evicts else min(fed.numel() - start, cache.room()[0])
+        c = fed.numel() - start if not cut else min(fed.numel() - start, cache.room()[0])
         logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), cache=cache).logits[0]
         out.append(torch.log_softmax(logits.float(), -1))
         start += c
@@ -145,6 +147,8 @@ def text_file(config: FidelityConfig) -> Path:
         ValueError: a file that does not exist or is not a file.
     """
     file = Path(config.source[5:]).expanduser()
+    if file.is_dir():
+        raise ValueError(f"{file} is a folder: --source text:PATH takes a plain text file")
     if not file.is_file():
         raise ValueError(f"text file not found: {file} (--source text:PATH takes a plain text file)")
     return file
@@ -246,7 +250,8 @@ def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float)
 
 def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[str, str, float], VaseConfig]:
     """Every option of a fidelity run, checked before anything loads or any trace is generated; returns the resolved
-    :class:`vase.VaseConfig` of each (policy, 'ratio' | 'budget', value).
+    :class:`vase.VaseConfig` of each (policy, 'ratio' | 'budget' | 'bytes', value) (byte ratios counted in the dtype
+    the model will be loaded in).
 
     Raises:
         ValueError: no ratio and no budget; counts out of range (prompts, tokens, prefix tokens, bucket, planted
@@ -255,8 +260,10 @@ def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[s
             task file that cannot be read; an unknown dtype, device or attention.
     """
     check_load_options(config.dtype, device, config.attn)
-    if not config.ratios and not config.budgets:
-        raise ValueError("give at least one compression ratio (--ratios) or budget (--budgets)")
+    if not config.ratios and not config.budgets and not config.byte_ratios:
+        raise ValueError(
+            "give at least one compression ratio (--ratios), budget (--budgets) or byte ratio (--byte-ratios)"
+        )
     for name, value, low in (
         ("--prompts", config.prompts, 1),
         ("--tokens", config.tokens, 2),
@@ -276,37 +283,87 @@ def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[s
         load_problems(config.source, require_answer=False)  # a missing task file or field: its clear error
         shortest = config.tokens + 1  # a task prompt has at least one token
     resolved = {}
+    element = resolve_dtype(config.dtype, resolve_device(device)).itemsize
     for policy in config.policies:
-        for kind, values in (("budget", config.budgets), ("ratio", config.ratios)):
+        for kind, values in (("budget", config.budgets), ("ratio", config.ratios), ("bytes", config.byte_ratios)):
             for value in values:
-                cfg = VaseConfig.resolve(policy, buffer=config.buffer, **{kind: value})
+                size = {"byte_ratio": value, "element_bytes": element} if kind == "bytes" else {kind: value}
+                cfg = VaseConfig.resolve(policy, buffer=config.buffer, **size)
                 cfg.for_length(shortest, published=config.has_published)  # a ratio's smallest budget must fit too
                 resolved[(policy, kind, float(value))] = cfg
     return resolved
+
+
+def policy_budgets(config: FidelityConfig, configs: dict, source: dict, kind: str, value: float) -> dict[str, int]:
+    """The budget (tokens per KV head) of each policy's replay of ``source`` at one size: the same for every policy
+    for a budget or a ratio (:func:`replay_budget`); for a byte ratio, what the bytes hold at the policy's
+    ``kv_bits`` (:meth:`vase.VaseConfig.for_length`). A quantized policy that never evicts (``full`` with
+    ``kv_bits``) gets the source's length: its buffers then hold the sequence without growing."""
+    length = len(source["prompt"]) + len(source["continuation"])
+    shared = replay_budget(config, source, kind, value) if kind != "bytes" else None
+    out = {}
+    for policy in config.policies:
+        cfg = configs[(policy, kind, value)]
+        if not cfg.policy.evicts and (cfg.kv_bits is not None or (kind == "bytes" and cfg.policy.sparse is None)):
+            out[policy] = length
+        elif kind == "bytes":
+            out[policy] = cfg.for_length(length, published=config.has_published).budget
+        else:
+            out[policy] = shared
+    return out
+
+
+def _memory(kind: str, cfg: VaseConfig, cache, length: int, budget: int) -> dict:
+    """The byte fields of a record with ``kv_bits`` or at a byte ratio: ``byte_ratio`` asked, ``kv_bits``,
+    ``kept_compression`` (the full cache's bytes for the sequence over the bytes of what a compaction keeps, the budget
+    at the policy's cost per token: what a byte ratio asks for), ``bytes_held`` / ``bytes_full`` (every byte the
+    evicting layers store at the end, and a full cache's) and ``memory_compression`` (their ratio); ``{}`` for other
+    records (so records without kv_bits and byte ratios are as before)."""
+    if kind != "bytes" and cfg.kv_bits is None:
+        return {}
+    kept = length if not cfg.policy.evicts else min(budget, length)
+    out = {"byte_ratio": None, "kv_bits": cfg.kv_bits, "kept_compression": length / (kept * cfg.token_cost)}
+    if kind == "bytes":
+        out["byte_ratio"] = cfg.byte_ratio
+    if cache is not None:
+        st = cache.stats()
+        out.update(bytes_held=st.bytes_held, bytes_full=st.bytes_full, memory_compression=st.compression)
+    else:
+        out["memory_compression"] = 1.0
+    return out
 
 
 def run_notes(config: FidelityConfig, configs: dict, plan: list[tuple]) -> list[str]:
     """What a user must know before trusting a run's labels: per ratio, when the budgets the sources get (the floor
     ``sinks + buffer + 1``, or the published preset's rounding) compress them by less than 95% of the ratio asked;
     per size and policy, when the policy chooses fewer than a quarter of the budget (:meth:`VaseConfig.buffer_note`).
-    ``plan`` holds (source, kind, value, budget) tuples."""
+    ``plan`` holds (source, kind, value, {policy: budget}) tuples; at a byte ratio the notes are per policy."""
     notes: list[str] = []
     for kind, value in dict.fromkeys((k, v) for _, k, v, _ in plan):
-        rows = [(len(s["prompt"]) + len(s["continuation"]), b) for s, k, v, b in plan if (k, v) == (kind, value)]
-        measured = [n / b for n, b in rows]
-        budgets = sorted({b for _, b in rows})
-        span = f"budget {budgets[0]}" if len(budgets) == 1 else f"budgets {budgets[0]}-{budgets[-1]}"
-        if kind == "ratio" and sum(measured) / len(measured) < 0.95 * value:
-            notes.append(
-                f"ratio {value:g}x asked, {min(measured):.2f}-{max(measured):.2f}x measured over {len(rows)} sources "
-                f"({span}: at least sinks + buffer + 1 = {4 + config.buffer + 1} tokens"
-                + (", rounded to the buffer for the published preset" if config.has_published else "")
-                + "); records and reports give the compression measured"
-            )
-        for policy in config.policies:
-            note = configs[(policy, kind, value)].with_budget(budgets[0]).buffer_note()
-            if note and note not in notes:
-                notes.append(note)
+        for group in config.policies if kind == "bytes" else [config.policies[0]]:
+            rows = [
+                (len(s["prompt"]) + len(s["continuation"]), b[group]) for s, k, v, b in plan if (k, v) == (kind, value)
+            ]
+            cfg = configs[(group, kind, value)]
+            if kind == "bytes" and not cfg.policy.evicts:
+                continue
+            measured = [n / b for n, b in rows]
+            budgets = sorted({b for _, b in rows})
+            span = f"budget {budgets[0]}" if len(budgets) == 1 else f"budgets {budgets[0]}-{budgets[-1]}"
+            asked = value if kind == "ratio" else (cfg.ratio if kind == "bytes" else None)
+            if asked is not None and sum(measured) / len(measured) < 0.95 * asked:
+                what = f"ratio {value:g}x" if kind == "ratio" else f"{group} at byte ratio {value:g}x"
+                scale = 1.0 if kind == "ratio" else value / asked
+                notes.append(
+                    f"{what} asked, {min(measured) * scale:.2f}-{max(measured) * scale:.2f}x measured over {len(rows)} "
+                    f"sources ({span}: at least sinks + buffer + 1 = {4 + config.buffer + 1} tokens"
+                    + (", rounded to the buffer for the published preset" if config.has_published else "")
+                    + "); records and reports give the compression measured"
+                )
+            for policy in config.policies if kind != "bytes" else [group]:
+                note = configs[(policy, kind, value)].with_budget(budgets[0]).buffer_note()
+                if note and note not in notes:
+                    notes.append(note)
     return notes
 
 
@@ -319,7 +376,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     With ``plant_layers`` and ``plant_tokens``, value outliers are planted
     (:class:`vase.harness.outliers.PlantedValues`) in the reference and in every policy's replay, and each record
     gains ``planted_kept``: the share of planted (layer, KV head, token) entries the policy's cache still holds at
-    the end.
+    the end (and, with ``kv_bits``, ``planted_full_precision``: the share of those held in full precision).
 
     Raises:
         ValueError: see :func:`check_fidelity`; another configuration in ``out`` (names every field that differs);
@@ -347,16 +404,19 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
     plant = bool(config.plant_layers) and config.plant_tokens > 0
     sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
-    plan = [(s, kind, value, replay_budget(config, s, kind, value)) for s in sources for kind, value in sizes]
+    sizes += [("bytes", r) for r in config.byte_ratios]
+    plan = [(s, kind, value, policy_budgets(config, configs, s, kind, value)) for s in sources for kind, value in sizes]
     for note in run_notes(config, configs, plan):
         warn(note)
-    todo_of = [[p for p in config.policies if (s["id"], p, budget) not in done] for s, _, _, budget in plan]
+    todo_of = [[p for p in config.policies if (s["id"], p, budgets[p]) not in done] for s, _, _, budgets in plan]
     total = len(plan) * len(config.policies)  # this run's replays: records of other policies in the file not counted
     initial = total - sum(map(len, todo_of))
     bar = tqdm(total=total, initial=initial, desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
     refs: dict[str, torch.Tensor] = {}
+    same: dict[tuple[str, str], tuple] = {}  # a quantized policy that never evicts: one replay per source
+    same_bytes: dict[tuple[str, str], dict] = {}
     with path.open("a", encoding="utf-8") as fh:
-        for (s, kind, value, budget), todo in zip(plan, todo_of):
+        for (s, kind, value, budgets), todo in zip(plan, todo_of):
             if not todo:
                 continue
             prompt, cont = torch.tensor(s["prompt"]), torch.tensor(s["continuation"])
@@ -367,30 +427,45 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
             )
             try:
                 if s["id"] not in refs:  # the full cache does not depend on the budget: one replay per source
-                    refs = {s["id"]: replay(lm.model, prompt, cont, "full", budget, config.buffer, config.seed)}
+                    ref_budget = budgets[config.policies[0]] if kind != "bytes" else length
+                    refs = {s["id"]: replay(lm.model, prompt, cont, "full", ref_budget, config.buffer, config.seed)}
                 ref = refs[s["id"]]
                 results = []
                 for policy in todo:
                     if policy == "full":
-                        results.append((policy, ref, {}))
+                        results.append((policy, ref, _memory(kind, configs[(policy, kind, value)], None, length, 0)))
                         continue
-                    cfg = configs[(policy, kind, value)].with_budget(budget)
+                    cfg = configs[(policy, kind, value)].with_budget(budgets[policy])
+                    if (s["id"], policy) in same:  # the same replay whatever the size: the size's own labels
+                        pol, extra = same[(s["id"], policy)]
+                        extra = {**extra, **_memory(kind, cfg, None, length, budgets[policy])}
+                        results.append((policy, pol, {**extra, **same_bytes[(s["id"], policy)]}))
+                        continue
                     pol, cache = replay(lm.model, prompt, cont, seed=config.seed, record=True, config=cfg)
                     extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
+                    if plant and cache.quantized:
+                        extra["planted_full_precision"] = full_precision_share(cache, config.plant_layers, positions)
                     extra.update(guard_counts(cache))
                     extra.update(adaptive_slots(cache))
+                    extra.update(_memory(kind, cfg, cache, length, budgets[policy]))
                     results.append((policy, pol, extra))
+                    if cache.quantized and not cfg.policy.evicts:
+                        same = {k: v for k, v in same.items() if k[0] == s["id"]}
+                        same[(s["id"], policy)] = (pol, extra)
+                        held = ("bytes_held", "bytes_full", "memory_compression")
+                        same_bytes[(s["id"], policy)] = {k: extra[k] for k in held}
                     del cache
             finally:
                 if hooks is not None:
                     hooks.detach()
             for policy, pol, extra in results:
+                budget = budgets[policy]
                 rec = {
                     "source": s["id"],
                     "policy": policy,
                     "budget": budget,
                     "ratio": value if kind == "ratio" else None,
-                    "compression": length / budget,
+                    "compression": extra["kept_compression"] if kind == "bytes" else length / budget,
                     "prompt_tokens": prompt.numel(),
                     "tokens": cont.numel(),
                     **compare(ref, pol, cont, config.bucket),
@@ -427,7 +502,8 @@ def summarize(records: list[dict]) -> list[dict]:
     """Mean over sources per (policy, ratio or budget), with standard errors over sources
     (:func:`vase.harness.stats.mean_se`, NaN for one source).
 
-    Each row: ``policy``, ``size`` (``("ratio", asked)`` or ``("budget", tokens)``), ``ratio`` (asked, or None),
+    Each row: ``policy``, ``size`` (``("ratio", asked)``, ``("budget", tokens)`` or ``("bytes", byte ratio asked)``),
+    ``ratio`` (asked, or None),
     ``sources`` (count), ``budgets`` (the distinct budgets replayed, tokens, sorted: a ratio gives each source its own),
     ``compression`` (mean measured context tokens / budget), ``kl`` and ``kl_se`` (nats per token), ``top1`` and
     ``top1_se`` (%), ``ppl_change`` and ``ppl_change_se`` (%), ``kl_by_source`` (source id -> mean KL, for paired
@@ -437,7 +513,10 @@ def summarize(records: list[dict]) -> list[dict]:
 
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        size = ("ratio", r["ratio"]) if r.get("ratio") is not None else ("budget", r["budget"])
+        if r.get("byte_ratio") is not None:
+            size = ("bytes", r["byte_ratio"])
+        else:
+            size = ("ratio", r["ratio"]) if r.get("ratio") is not None else ("budget", r["budget"])
         groups.setdefault((r["policy"], size), []).append(r)
     rows = []
     for (policy, size), recs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -461,6 +540,11 @@ def summarize(records: list[dict]) -> list[dict]:
                 "ppl_change": ppl,
                 "ppl_change_se": ppl_se,
                 "kl_by_source": {r["source"]: r["kl_mean"] for r in recs},
+                "memory_compression": (
+                    sum(r["memory_compression"] for r in recs) / n
+                    if all("memory_compression" in r for r in recs)
+                    else None
+                ),
                 "planted_kept": (
                     100 * sum(r["planted_kept"] for r in recs) / n if all("planted_kept" in r for r in recs) else None
                 ),

@@ -43,6 +43,9 @@ def check_options(
     top_p: float = 1.0,
     top_k: int = 0,
     compile: bool = False,
+    byte_ratio: float | None = None,
+    memory_budget: float | None = None,
+    element_bytes: int | None = None,
     **policy_options,
 ) -> VaseConfig:
     """Check generation options before anything is loaded and return the resolved :class:`vase.VaseConfig`: the
@@ -56,7 +59,8 @@ def check_options(
             max_new_tokens], temperature < 0, top_p outside (0, 1], top_k < 0, and every rule of
             :meth:`vase.VaseConfig.resolve` (budget and ratio both given, budget not larger than sinks + buffer,
             ratio <= 1, an unknown policy or option, the published preset's budget and window, quest's budget,
-            ``compile`` with quest, ...).
+            ``compile`` with quest, ...; sizes in bytes: ``byte_ratio``, ``memory_budget`` counted in elements of
+            ``element_bytes``, see :meth:`vase.VaseConfig.resolve`).
     """
     config = VaseConfig.resolve(
         policy,
@@ -67,6 +71,9 @@ def check_options(
         window=window,
         compress_prompt=compress_prompt,
         compile=compile,
+        byte_ratio=byte_ratio,
+        memory_budget=memory_budget,
+        element_bytes=element_bytes,
         **policy_options,
     )
     check_decoding(max_new_tokens, min_new_tokens, temperature, top_p, top_k)
@@ -215,6 +222,8 @@ def generate(
     streamer=None,
     compile: bool = False,
     config: VaseConfig | None = None,
+    byte_ratio: float | None = None,
+    memory_budget: float | None = None,
     **policy_options,
 ) -> GenerationResult:
     """Generate from ``prompts`` with an :class:`~vase.EvictingCache`.
@@ -233,6 +242,8 @@ def generate(
             attention, not quest, not hybrid models.
         config: a :class:`vase.VaseConfig` (from :func:`check_options` or :meth:`vase.VaseConfig.resolve`) instead of
             the policy and size arguments, which then stay at their defaults.
+        byte_ratio, memory_budget: a size in bytes instead of a budget, for a policy with ``kv_bits`` (counted in the
+            model's dtype; see :meth:`vase.VaseConfig.resolve`).
 
     Raises:
         ValueError: empty prompt, a prompt longer than the model's context, or an option out of range (see
@@ -255,11 +266,15 @@ def generate(
             top_p=top_p,
             top_k=top_k,
             compile=compile,
+            byte_ratio=byte_ratio,
+            memory_budget=memory_budget,
+            element_bytes=next(model.parameters()).element_size(),
             **policy_options,
         )
     else:
         given = (policy, budget, compression_ratio, buffer, sinks, window, compress_prompt, compile)
-        if policy_options or given != ("vase", None, None, 64, 4, None, True, False):
+        given += (byte_ratio, memory_budget)
+        if policy_options or given != ("vase", None, None, 64, 4, None, True, False, None, None):
             raise ValueError("give either config= or the policy and size arguments, not both")
         check_decoding(max_new_tokens, min_new_tokens, temperature, top_p, top_k)
     compile = config.compile

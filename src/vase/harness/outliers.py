@@ -117,3 +117,22 @@ def kept_share(cache, layers: Sequence[int], positions: Sequence[int]) -> float:
             held += int(hit.sum())
             total += hit.numel()
     return held / total if total else 1.0
+
+
+def full_precision_share(cache, layers: Sequence[int], positions: Sequence[int]) -> float | None:
+    """Share of the planted (layer, KV head, position) entries an :class:`~vase.EvictingCache` (batch 1) holds that
+    it holds in full precision (not quantized: the guard's entries with ``protect_precision='guard'``, and the recent
+    tokens), in [0, 1]; None without ``kv_bits`` or when it holds none of them."""
+    if not getattr(cache, "quantized", False):
+        return None
+    held = full = 0
+    for i in layers:
+        layer = cache.layers[i]
+        pos = layer.positions[0]  # [H, capacity]
+        lim = layer.qmask.shape[-1]
+        for p in positions:
+            hit = pos == p  # [H, capacity]
+            held += int(hit.sum())
+            quantized = hit[:, :lim] & layer.qmask[0]
+            full += int(hit.sum()) - int(quantized.sum())
+    return full / held if held else None

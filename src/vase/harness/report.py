@@ -192,7 +192,9 @@ def _mark_sizes(ax, sizes: dict[tuple, dict]) -> None:
     ``budget 128``), so that a ratio whose measured compression differs is seen where it was measured."""
     ticks, names = [], []
     for (kind, value), info in sizes.items():
-        name = f"{value:g}x" if kind == "ratio" else f"budget {int(value)}"
+        name = (
+            f"{value:g}x" if kind == "ratio" else (f"{value:g}x bytes" if kind == "bytes" else f"budget {int(value)}")
+        )
         if kind == "ratio" and "asked" in info["label"]:
             name += " asked"
         ax.axvline(info["compression"], color="0.6", linestyle=":", linewidth=1, zorder=0)
@@ -353,12 +355,15 @@ def eval_section(records: list[dict], out: Path, config: dict | None = None) -> 
 def _fidelity_sizes(rows: list[dict]) -> dict[tuple, dict]:
     """size -> {"label", "compression" (mean measured over the evicting policies' rows), "budgets"}."""
     out = {}
-    for s in sorted({r["size"] for r in rows}, key=lambda s: (s[0] != "ratio", s[1])):
+    for s in sorted({r["size"] for r in rows}, key=lambda s: (s[0] != "ratio", s[0], s[1])):
         srows = [r for r in rows if r["size"] == s and r["policy"] != "full"] or [r for r in rows if r["size"] == s]
         measured = sum(r["compression"] for r in srows) / len(srows)
         budgets = sorted({b for r in srows for b in r["budgets"]})
-        ratio = s[1] if s[0] == "ratio" else None
-        out[s] = {"label": size_label(ratio, measured, budgets), "compression": measured, "budgets": budgets}
+        ratio = s[1] if s[0] in ("ratio", "bytes") else None
+        label = size_label(ratio, measured, budgets)
+        if s[0] == "bytes":  # a byte ratio: each policy holds the budget its bytes buy at its kv_bits
+            label = f"{s[1]:g}x bytes ({budget_text(budgets)})"
+        out[s] = {"label": label, "compression": measured, "budgets": budgets}
     return out
 
 
@@ -468,7 +473,7 @@ def fidelity_section(
     def label(s):
         return sizes[s]["label"]
 
-    lines = [f"### Fidelity to the full cache ({n_sources} sources, {tok} tokens each)", ""]
+    lines = [f"### Fidelity to the full cache ({n_sources} source{'s' * (n_sources != 1)}, {tok} tokens each)", ""]
     lines += [
         "Means over sources ± their standard error (sample standard deviation / √n; none with one source).",
         "",
