@@ -1,0 +1,364 @@
+"""Quantized storage of kept entries (policy option ``kv_bits``, issue 24): the quantization itself, the static
+stores, the bytes they hold, the guard's full-precision entries, ragged batches, sizes in bytes and bad input."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import vase
+from vase.core import quant
+from vase.core.config import VaseConfig
+from vase.harness.fidelity import replay
+from vase.hf.layer import EvictingLayer
+from vase.hf.quantized import QuantizedLayer
+
+from .conftest import random_ids, tiny_model
+from .test_ragged import CONTINUATIONS, PROMPTS, SEEDS, STEPS, run_phases
+
+GROUP = 8  # the tiny models have head_dim 16
+
+
+# ------------------------------------------------------------------------------------------------ the arithmetic
+@pytest.mark.parametrize("bits", quant.KV_BITS)
+def test_pack_unpack_inverse(bits):
+    codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+    packed = quant.pack(codes, bits)
+    assert packed.shape == (3, 5, 64 * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", quant.KV_BITS)
+def test_round_trip_error_within_half_a_step(bits):
+    """Every element comes back within half its group's step (plus float16's rounding of the stored scales), and the
+    step is (max - min) / (2**bits - 1) of its group: the error bound per bit width."""
+    torch.manual_seed(bits)
+    x = torch.randn(4, 3, 50, 64) * torch.rand(64) * 5 + torch.randn(64)
+    x[0, 0, 0, 5] = 300.0  # an outlier widens its group only
+    codes, step, lo = quant.quantize(x, bits, 32)
+    assert codes.shape == (4, 3, 50, 64 * bits // 8) and step.dtype == lo.dtype == torch.float16
+    back = quant.dequantize(codes, step, lo, bits)
+    g = x.view(4, 3, 50, 2, 32)
+    span = g.amax(-1) - g.amin(-1)
+    levels = (1 << bits) - 1
+    torch.testing.assert_close(step.float(), span / levels, rtol=2e-3, atol=1e-6)
+    err = (back - x).abs().view(4, 3, 50, 2, 32).amax(-1)
+    bound = step.float() * (0.5 + levels * 2**-10) + g.abs().amax(-1) * 2**-11 + 1e-6
+    assert bool((err <= bound).all())
+    rel = ((back - x).norm() / x.norm()).item()
+    assert rel < {8: 0.008, 4: 0.13, 2: 0.5}[bits]  # measured 0.0057, 0.101, 0.415
+
+
+def test_round_trip_is_a_fixed_point_and_constant_groups_exact():
+    """Quantizing the dequantized values gives the same codes and scales (a kept entry never drifts), and a constant
+    group comes back exactly."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 40, 32)
+    x[0, 0, 0] = 1.5
+    for bits in quant.KV_BITS:
+        q1 = quant.quantize(x, bits, 16)
+        back = quant.dequantize(*q1, bits)
+        q2 = quant.quantize(back, bits, 16)
+        assert all(torch.equal(a, b) for a, b in zip(q1, q2))
+        assert torch.equal(back[0, 0, 0], x[0, 0, 0])
+
+
+def test_precision_mask_ranks_eligible_values_by_the_guard_metric():
+    guard = vase.make_policy("vase").guard
+    v = torch.zeros(1, 2, 6, 4)
+    v[0, 0, 1, 0], v[0, 0, 3, 0], v[0, 0, 5, 0] = 5.0, 9.0, 20.0  # slot 5 not eligible
+    v[0, 1, 2, 1] = 3.0
+    eligible = torch.tensor([True] * 5 + [False]).expand(1, 2, 6)
+    mask = quant.precision_mask(guard, v, eligible, torch.tensor([2]))
+    assert mask[0, 0].nonzero().flatten().tolist() == [1, 3]
+    assert mask[0, 1].sum() == 2 and bool(mask[0, 1, 2])
+
+
+# ------------------------------------------------------------------------------------------------ options
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("vase:kv_bits=3", "kv_bits must be one of none, 8, 4, 2"),
+        ("h2o:kv_bits=4:protect_precision=guard", "needs a value guard"),
+        ("vase:protect_precision=guard", "applies to quantized entries only"),
+        ("vase:kv_bits=4:protect_precision=all", "protect_precision must be one of"),
+        ("vase:kv_bits=4:kv_group=12", "kv_group must be a positive power of two"),
+        ("full:kv_bits=4:protect_precision=guard", "needs a value guard"),
+        ("full:guard=range", "never evicts uses a value guard only"),
+        ("vase:kv_bits=4:guard=random:protect_precision=guard", "needs a magnitude metric"),
+        ("snapkv:kv_bits=4:head_budget=adakv", "adaptive budgets"),
+        ("quest:kv_bits=4", "does not take option"),
+    ],
+)
+def test_bad_quantization_options_fail_at_resolve(spec, message):
+    with pytest.raises(ValueError, match=message):
+        VaseConfig.resolve(spec, budget=256)
+
+
+def test_sizes_in_bytes():
+    """A byte ratio r buys the budget whose quantized bytes are 1/r of the full cache's: r * cost as a token ratio
+    (without kv_bits, the budget of the ratio r); a memory budget M buys floor(M / cost) tokens."""
+    n = 1088
+    cost4 = (4 / 8 + 4 / 32) / 4
+    assert quant.token_cost(4, 32, 4) == cost4
+    cfg = VaseConfig.resolve("vase:kv_bits=4", byte_ratio=8, element_bytes=4)
+    assert cfg.for_length(n).budget == math.ceil(n / (8 * cost4)) == 871
+    plain = VaseConfig.resolve("vase", byte_ratio=8)
+    assert plain.for_length(n).budget == VaseConfig.resolve("vase", ratio=8).for_length(n).budget == 136
+    guard = VaseConfig.resolve(
+        "vase:kv_bits=4:protect_precision=guard:protect_share=0.05", byte_ratio=16, element_bytes=2
+    )
+    assert guard.for_length(n).budget == math.ceil(n / (16 * ((0.5 + 0.125) / 2 + 0.05)))
+    assert VaseConfig.resolve("h2o:kv_bits=2", memory_budget=100, element_bytes=4).budget == math.floor(
+        100 / ((0.25 + 0.125) / 4)
+    )
+    assert "byte ratio 8x" in cfg.describe()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(memory_budget=60), "holds 60 tokens, not more than sinks \\+ buffer"),
+        (dict(memory_budget=10, policy="vase:kv_bits=8", element_bytes=2), "holds 17 tokens at kv_bits=8"),
+        (dict(byte_ratio=4, policy="vase:kv_bits=4"), "needs element_bytes"),
+        (dict(byte_ratio=0.5), "byte compression ratio must be > 1"),
+        (dict(byte_ratio=4, budget=100), "give one of a budget"),
+        (dict(byte_ratio=4, element_bytes=3), "element_bytes must be"),
+        (dict(budget=256, policy="vase:kv_bits=4", compile=True), "compiled decoding does not support quantized"),
+    ],
+)
+def test_bad_sizes_in_bytes_fail_at_resolve(kwargs, message):
+    kwargs = {"policy": "vase", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        VaseConfig.resolve(kwargs.pop("policy"), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hi", "--policy", "vase:kv_bits=3"], "kv_bits must be one of"),
+        (["generate", "hi", "--policy", "snapkv:kv_bits=4:protect_precision=guard"], "needs a value guard"),
+        (["generate", "hi", "--memory-budget", "50"], "not more than sinks \\+ buffer"),
+        (["fidelity", "--out", "/tmp/vase-never", "--byte-ratios", "0.5"], "byte compression ratio must be > 1"),
+    ],
+)
+def test_cli_refuses_bad_quantization_before_loading(args, message):
+    """Exit code 2 and the message within a few seconds: nothing is loaded (the tests' models are not even built)."""
+    out = subprocess.run([sys.executable, "-m", "vase.cli", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert __import__("re").search(message, out.stderr), out.stderr
+    assert "Loading" not in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+def _decode(model, cache, prompt: torch.Tensor, steps: int) -> list[int]:
+    tokens = []
+    with torch.no_grad():
+        logits = model(input_ids=prompt, cache=cache).logits[:, -1]
+        for _ in range(steps):
+            tok = logits.argmax(-1, keepdim=True)
+            tokens.append(int(tok))
+            logits = model(input_ids=tok, cache=cache).logits[:, -1]
+    return tokens
+
+
+def test_kv_bits_none_is_the_unquantized_cache():
+    """kv_bits=none is the cache as before: its layer class, the same tokens and the same tensors."""
+    model = tiny_model("llama")
+    prompt = random_ids(30, seed=3)
+    a = vase.EvictingCache(model, policy="vase", budget=16, buffer=8)
+    b = vase.EvictingCache(model, policy="vase:kv_bits=none", budget=16, buffer=8)
+    assert type(b.layers[0]) is EvictingLayer and b.kv_bits is None
+    assert _decode(model, a, prompt, 40) == _decode(model, b, prompt, 40)
+    for la, lb in zip(a.layers, b.layers):
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(la, name), getattr(lb, name))
+        for n in la.state:
+            assert torch.equal(la.state[n], lb.state[n])
+    assert a.stats().line() == b.stats().line()
+
+
+STORE_NAMES = ("kq", "ks", "kz", "vq", "vs", "vz", "kf", "fp_k", "fp_v", "qmask", "protected", "positions")
+
+
+@pytest.mark.parametrize(
+    "spec", ["vase:kv_bits=4", "h2o:kv_bits=2:guard=range:protect_share=0.25:protect_precision=guard"]
+)
+def test_static_stores_and_bytes_held(spec):
+    """The stores are allocated once (their addresses never move over many compactions) and ``bytes_held`` is the
+    formula: per layer and (row, KV head), L quantized slots of codes and float16 steps and minima, the key channel
+    factors, P + buffer full-precision slots."""
+    model = tiny_model("qwen3")
+    budget, buffer = 16, 8
+    cache = vase.EvictingCache(model, policy=spec + f":kv_group={GROUP}", budget=budget, buffer=buffer)
+    _decode(model, cache, random_ids(20, seed=4), 1)
+    addresses = [[getattr(layer, n).data_ptr() for n in STORE_NAMES] for layer in cache.layers]
+    ws = [t.data_ptr() for t in cache._workspace]
+    _decode(model, cache, random_ids(5, seed=5), 120)
+    st = cache.stats()
+    assert st.evictions >= 14
+    assert [[getattr(layer, n).data_ptr() for n in STORE_NAMES] for layer in cache.layers] == addresses
+    assert [t.data_ptr() for t in cache._workspace] == ws
+    bits = cache.kv_bits
+    b, h, d, e = 1, 2, 16, 4
+    lim = budget  # L = capacity - buffer = budget
+    p = cache.policy.guard.count(budget, 4) if cache.protect_precision == "guard" else 0
+    per_layer = b * h * (lim * (2 * d * bits // 8 + 2 * 2 * 2 * d // GROUP) + 4 * d + 2 * (p + buffer) * d * e)
+    assert st.bytes_held == len(cache.layers) * per_layer
+    assert st.bytes_workspace == 2 * b * h * (budget + buffer) * d * e
+    assert st.kv_bits == bits and f"{bits}-bit KV" in st.line() and "dequantization workspace" in st.line()
+
+
+def _full_values(model, ids: torch.Tensor, first: int):
+    """Layer 0's keys and values of every position with the unquantized full cache, fed as the quantized run is (the
+    first ``first`` tokens, then one at a time: the same shapes, so the same floating-point results)."""
+    cache = vase.EvictingCache(model, policy="full", budget=ids.shape[1] + 8, buffer=8)
+    with torch.no_grad():
+        model(input_ids=ids[:, :first], cache=cache)
+        for t in range(first, ids.shape[1]):
+            model(input_ids=ids[:, t : t + 1], cache=cache)
+    layer = cache.layers[0]
+    return layer.keys[0].clone(), layer.values[0].clone()
+
+
+def test_guard_entries_bit_exact_and_codes_never_drift():
+    """With protect_precision=guard the planted large values of layer 0 stay in full precision, bit for bit, through
+    every compaction; the other kept entries are quantized once: each one's dequantized value is the same at every
+    later compaction (no re-quantization), within the 4-bit bound of its original."""
+    from vase.harness.outliers import PlantedValues
+
+    model = tiny_model("llama")
+    ids = random_ids(160, seed=7)
+    planted = [20, 45, 70]
+    hooks = PlantedValues([0], planted, 20.0).attach(model)
+    try:
+        ref_k, ref_v = _full_values(model, ids, 40)
+        spec = f"vase:kv_bits=4:kv_group={GROUP}:protect_precision=guard:protect_share=0.5:selector=topk"
+        cache = vase.EvictingCache(model, policy=spec, budget=24, buffer=8)
+        seen: dict[tuple[int, int], torch.Tensor] = {}
+        checked = 0
+        with torch.no_grad():
+            model(input_ids=ids[:, :40], cache=cache)
+            for t in range(40, 160):
+                model(input_ids=ids[:, t : t + 1], cache=cache)
+                layer = cache.layers[0]
+                keys, values = layer.entries()
+                pos = layer.positions[0]
+                for h in range(2):
+                    for s in range(cache.fill[0]):
+                        key = (h, int(pos[h, s]))
+                        if s < cache._qlimit[0] and bool(layer.qmask[0, h, s]):
+                            if key in seen:
+                                assert torch.equal(seen[key], values[0, h, s]), f"entry {key} drifted at step {t}"
+                            seen[key] = values[0, h, s].clone()
+                for h in range(2):
+                    prot = set(layer.protected[0, h].tolist())
+                    for p in planted:
+                        at = (pos[h] == p).nonzero().flatten().tolist()
+                        if at and at[0] < cache._qlimit[0]:  # held and past the recent window: kept in full precision
+                            checked += 1
+                            assert at[0] in prot and not bool(layer.qmask[0, h, at[0]]), (t, h, p)
+                            assert torch.equal(values[0, h, at[0]], ref_v[h, p]), (t, h, p)
+                            assert torch.equal(keys[0, h, at[0]], ref_k[h, p]), (t, h, p)
+        assert cache.stats().evictions >= 10 and len(seen) > 50 and checked > 100
+        # quantized entries within the 4-bit bound of their originals (a tenth of the head's value range)
+        for (h, p), v in seen.items():
+            span = float(ref_v[h, p].max() - ref_v[h, p].min())
+            assert float((v - ref_v[h, p]).abs().max()) <= span / 15 * 0.51 + 1e-5
+    finally:
+        hooks.detach()
+
+
+def _quant_snapshot(cache) -> list[dict]:
+    rows = []
+    for r in range(cache.batch):
+        f = cache.fill[r]
+        layers = []
+        for layer in cache.layers:
+            keys, values = layer.entries()
+            layers.append(
+                {
+                    "positions": layer.positions[r, :, :f].clone(),
+                    "keys": keys[r, :, :f],
+                    "values": values[r, :, :f],
+                    "qmask": layer.qmask[r, :, : min(f, layer.qmask.shape[2])].clone(),
+                    "qlimit": cache._qlimit[r],
+                }
+            )
+        rows.append({"fill": f, "layers": layers})
+    return rows
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["vase:kv_bits=4", "snapkv:kv_bits=2:guard=range:protect_precision=guard", "full:kv_bits=8", "h2o:kv_bits=8"],
+)
+def test_ragged_rows_equal_rows_alone(spec):
+    """Rows compressed at prefill, at decode, at a continuation or never, quantized at different steps: each row's
+    tokens and stored entries (dequantized) equal those of the row alone."""
+    model = tiny_model("qwen3")
+    spec += f":kv_group={GROUP}"
+    first = [random_ids(n, seed=10 + i)[0] for i, n in enumerate(PROMPTS)]
+    second = [random_ids(n, seed=20 + i)[0] for i, n in enumerate(CONTINUATIONS)]
+    kw = dict(policy=spec, budget=16, buffer=8)
+    cache = vase.EvictingCache(model, seed=list(SEEDS), **kw)
+    levels = (1 << cache.kv_bits) - 1
+    tokens, _ = run_phases(model, cache, [(first, STEPS[0]), (second, STEPS[1])])
+    snap = _quant_snapshot(cache)
+    for r in range(len(PROMPTS)):
+        alone = vase.EvictingCache(model, seed=SEEDS[r], **kw)
+        solo, _ = run_phases(model, alone, [([first[r]], STEPS[0]), ([second[r]], STEPS[1])])
+        assert tokens[r].tolist() == solo[0].tolist(), f"row {r}"
+        mine, theirs = snap[r], _quant_snapshot(alone)[0]
+        assert mine["fill"] == theirs["fill"]
+        for a, b in zip(mine["layers"], theirs["layers"]):
+            assert a["qlimit"] == b["qlimit"] and torch.equal(a["positions"], b["positions"])
+            assert torch.equal(a["qmask"], b["qmask"])
+            for name in ("keys", "values"):
+                _close_up_to_one_code(a[name], b[name], levels)
+    assert max(cache._qlimit) > 0
+
+
+def _close_up_to_one_code(a: torch.Tensor, b: torch.Tensor, levels: int) -> None:
+    """Equal up to float noise, except a few elements one quantization step apart: a batched forward computes the
+    keys and values a few 1e-7 away from the row alone (the unquantized ragged test allows 1e-5), and a value that
+    close to a rounding boundary can take the neighbouring code."""
+    diff = (a - b).abs()
+    off = diff > 1e-5
+    step = (b.abs().amax(-1, keepdim=True) * 2 / levels).expand_as(b)
+    assert float(off.float().mean()) < 0.05
+    assert bool((diff[off] <= step[off] * 1.01 + 1e-5).all())
+
+
+@pytest.mark.parametrize("spec", ["vase:kv_bits=4", "full:kv_bits=4:guard=range:protect_precision=guard"])
+def test_replay_chunks_equal_token_by_token(spec):
+    """The fidelity replay cuts its chunks where decoding evicts or quantizes (room()), so a chunked replay gives the
+    next-token distributions of feeding one token at a time."""
+    model = tiny_model("llama")
+    spec += f":kv_group={GROUP}"
+    prompt, cont = random_ids(21, seed=8)[0], random_ids(70, seed=9)[0]
+    cfg = VaseConfig.resolve(spec, budget=24, buffer=8)
+    chunked = replay(model, prompt, cont, config=cfg)
+    cache = vase.EvictingCache(model, config=cfg)
+    out = []
+    with torch.no_grad():
+        out.append(torch.log_softmax(model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:], -1))
+        for t in cont[:-1]:
+            out.append(torch.log_softmax(model(input_ids=t.view(1, 1), cache=cache).logits[0, -1:], -1))
+    torch.testing.assert_close(chunked, torch.cat(out), atol=2e-4, rtol=1e-4)
+    assert cache._qlimit[0] == (24 if cfg.policy.evicts else 88) and cache.fill[0] == (26 if cfg.policy.evicts else 90)
+
+
+def test_full_quantizes_in_blocks_of_buffer():
+    """full:kv_bits keeps every token; everything older than its recent window is quantized, in blocks of buffer."""
+    model = tiny_model("llama")
+    cache = vase.EvictingCache(model, policy=f"full:kv_bits=4:kv_group={GROUP}", budget=32, buffer=8)
+    _decode(model, cache, random_ids(13, seed=2), 60)
+    assert cache.fill[0] == 73 and cache.stats().evictions == 0  # the prompt and 60 decode steps
+    assert cache._qlimit[0] == 72 and cache.room() == [7]
+    layer = cache.layers[0]
+    assert type(layer) is QuantizedLayer and bool(layer.qmask[0, :, :72].all()) and not layer.qmask[0, :, 72:].any()
