@@ -1,0 +1,172 @@
+"""Tables of docs/RESULTS.md "Quantize what is kept, protect what is large": evict-only, quantize-only and
+evict + quantize at equal KV bytes, with the goal check.
+
+Usage::
+
+    python benchmarks/kv_quant_table.py gsm8k=runs/kvq-gsm8k text=runs/kvq-text [--ratios 8,16]
+
+Each argument is ``label=dir``: a folder written by ``vase fidelity --byte-ratios ...`` (``benchmarks/kv_quant.sh``),
+with ``hf_quantized.jsonl`` from ``benchmarks/hf_quantized_fidelity.py`` when present. Per label it prints the mean
+KL(full || policy) over the sources ± its standard error at each byte ratio, grouped as evict-only (no ``kv_bits``),
+quantize-only (``full`` with ``kv_bits``, and transformers' ``QuantizedCache``: they keep every token, so their
+compression is their own, given once) and evict + quantize, with the budgets and the compression of every byte held
+(``memory_compression``, the recent buffer and everything else included). Then, at each ratio of ``--ratios`` and
+each label: the best evict-only configuration, the best quantize-only configuration whose own compression reaches
+the ratio (none may), and each evict + quantize configuration's paired difference to both (mean over the same sources
+± standard error, and on how many sources it is lower); finally the configurations below both everywhere. Prints
+markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from vase.harness.stats import kl_text, paired_diff
+
+
+def load(run: Path) -> tuple[dict, dict]:
+    """``({(policy, byte ratio): {source: record}}, {policy: {source: record}})``: the byte-ratio records of the run,
+    and its records of policies that keep every token (quantize-only: ``full`` with ``kv_bits``, and the
+    ``QuantizedCache`` records of ``hf_quantized.jsonl``), whose results do not depend on the ratio."""
+    sized: dict = {}
+    whole: dict = {}
+    for name in ("fidelity.jsonl", "hf_quantized.jsonl"):
+        path = run / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r["policy"] == "full":
+                continue
+            if r["policy"].startswith(("full:", "hf-")):
+                whole.setdefault(r["policy"], {})[r["source"]] = r
+            elif r.get("byte_ratio") is not None:
+                sized.setdefault((r["policy"], r["byte_ratio"]), {})[r["source"]] = r
+    return sized, whole
+
+
+def _kl(recs: dict) -> tuple[float, float]:
+    vals = [r["kl_mean"] for r in recs.values()]
+    se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan")
+    return statistics.mean(vals), se
+
+
+def _own(recs: dict) -> float:
+    """The compression a quantize-only configuration keeps at: its kept bytes (QuantizedCache: every byte held)."""
+    key = "kept_compression" if "kept_compression" in next(iter(recs.values())) else "memory_compression"
+    return statistics.mean(r[key] for r in recs.values())
+
+
+def _mem(recs: dict) -> float:
+    return statistics.mean(r["memory_compression"] for r in recs.values())
+
+
+def kind(policy: str) -> str:
+    if policy.startswith(("full:", "hf-")):
+        return "quantize-only"
+    return "evict + quantize" if "kv_bits" in policy else "evict-only"
+
+
+def tables(label: str, run: Path) -> list[str]:
+    sized, whole = load(run)
+    ratios = sorted({r for _, r in sized})
+    n = len({s for recs in sized.values() for s in recs})
+    lines = [
+        f"**{label}** (`{run}`, {n} sources): mean KL(full ‖ policy) ± s.e.; in brackets the budgets (tokens per KV "
+        "head) and the compression of every byte held at the end (recent buffer included)",
+        "",
+        "| kind | configuration | " + " | ".join(f"{r:g}x bytes" for r in ratios) + " |",
+        "|---|---|" + "---|" * len(ratios),
+    ]
+    for pol, recs in sorted(whole.items(), key=lambda kv: -_own(kv[1])):
+        m, se = _kl(recs)
+        cell = f"{kl_text(m)} ± {kl_text(se)} (own {_own(recs):.2f}x; all bytes {_mem(recs):.2f}x)"
+        lines.append(f"| {kind(pol)} | `{pol}` | {cell} (any ratio) |" + " |" * (len(ratios) - 1))
+    policies = sorted({p for p, _ in sized}, key=lambda p: (kind(p) != "evict-only", p))
+    for pol in policies:
+        cells = []
+        for r in ratios:
+            recs = sized.get((pol, r))
+            if not recs:
+                cells.append("—")
+                continue
+            m, se = _kl(recs)
+            b = sorted({x["budget"] for x in recs.values()})
+            bt = f"{b[0]}" if b[0] == b[-1] else f"{b[0]}-{b[-1]}"
+            cells.append(f"{kl_text(m)} ± {kl_text(se)} ({bt}; {_mem(recs):.2f}x)")
+        lines.append(f"| {kind(pol)} | `{pol}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def goal(runs: dict[str, Path], ratios: list[float]) -> list[str]:
+    """The goal check: per ratio and label, the best evict-only and quantize-only configurations and each evict +
+    quantize configuration's paired difference to them; the configurations below both in every cell."""
+    lines = []
+    below_all: dict[str, bool] = {}
+    for r in ratios:
+        for label, run in runs.items():
+            sized, whole = load(run)
+            evict = {p: recs for (p, x), recs in sized.items() if x == r and kind(p) == "evict-only"}
+            quant = {p: recs for p, recs in whole.items() if _own(recs) >= r * 0.95}
+            both = {p: recs for (p, x), recs in sized.items() if x == r and kind(p) == "evict + quantize"}
+            if not evict or not both:
+                continue
+            best_e = min(evict, key=lambda p: _kl(evict[p])[0])
+            best_q = min(quant, key=lambda p: _kl(quant[p])[0]) if quant else None
+            qtext = f"`{best_q}` {kl_text(_kl(quant[best_q])[0])}" if best_q else "none keeps every token at this ratio"
+            lines += [
+                f"{label}, {r:g}x bytes: best evict-only `{best_e}` {kl_text(_kl(evict[best_e])[0])}; best "
+                f"quantize-only {qtext}",
+                "",
+                "| evict + quantize | KL | − best evict-only (lower on) | − best quantize-only (lower on) |",
+                "|---|---|---|---|",
+            ]
+            for p in sorted(both, key=lambda p: _kl(both[p])[0]):
+                m = _kl(both[p])[0]
+                de = paired_diff(
+                    {k: v["kl_mean"] for k, v in both[p].items()}, {k: v["kl_mean"] for k, v in evict[best_e].items()}
+                )
+                dq = (
+                    paired_diff(
+                        {k: v["kl_mean"] for k, v in both[p].items()},
+                        {k: v["kl_mean"] for k, v in quant[best_q].items()},
+                    )
+                    if best_q
+                    else None
+                )
+                ok = m < _kl(evict[best_e])[0] and (best_q is None or m < _kl(quant[best_q])[0])
+                below_all[p] = below_all.get(p, True) and ok
+                lines.append(f"| `{p}` | {kl_text(m)} | {_pd(de)} | {_pd(dq) if dq else '—'} |")
+            lines.append("")
+    winners = [p for p, ok in below_all.items() if ok]
+    lines.append(
+        "Below both the best evict-only and the best quantize-only configuration in every cell above: "
+        + (", ".join(f"`{p}`" for p in sorted(winners)) if winners else "none")
+    )
+    return lines + [""]
+
+
+def _pd(d) -> str:
+    return "—" if d is None else f"{kl_text(d.mean, signed=True)} ± {kl_text(d.se)} ({d.lower}/{d.n})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="label=dir")
+    ap.add_argument("--ratios", default="8,16", help="byte ratios of the goal check")
+    args = ap.parse_args()
+    runs = {a.split("=", 1)[0]: Path(a.split("=", 1)[1]) for a in args.runs}
+    out = []
+    for label, run in runs.items():
+        out += tables(label, run)
+    out += goal(runs, [float(x) for x in args.ratios.split(",")])
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
