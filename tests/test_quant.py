@@ -362,3 +362,53 @@ def test_full_quantizes_in_blocks_of_buffer():
     assert cache._qlimit[0] == 72 and cache.room() == [7]
     layer = cache.layers[0]
     assert type(layer) is QuantizedLayer and bool(layer.qmask[0, :, :72].all()) and not layer.qmask[0, :, 72:].any()
+
+
+def test_fidelity_at_equal_bytes(tmp_path):
+    """`vase fidelity --byte-ratios`: each policy gets the budget its bytes hold at its kv_bits, records carry the
+    bytes, a quantized full cache is replayed once per source (the same figures at every ratio, each with its label),
+    and the report labels the sizes in bytes."""
+    import json
+
+    from vase.harness.fidelity import FidelityConfig, run_fidelity
+    from vase.harness.report import write_report
+
+    from .conftest import tiny_lm
+    from .test_outliers import CharTokenizer
+
+    lm = tiny_lm("llama")
+    lm.tokenizer = CharTokenizer()
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    g = f"kv_group={GROUP}"
+    cfg = FidelityConfig(
+        model="tiny",
+        source=f"text:{text}",
+        prompts=2,
+        tokens=120,
+        prefix_tokens=16,
+        policies=[
+            "vase",
+            f"vase:kv_bits=4:{g}",
+            f"full:kv_bits=8:{g}",
+            f"h2o:kv_bits=4:{g}:guard=range:protect_precision=guard",
+        ],
+        byte_ratios=[4.0, 8.0],
+        buffer=8,
+    )
+    recs = [
+        json.loads(line) for line in run_fidelity(cfg, tmp_path / "run", progress=False, lm=lm).read_text().splitlines()
+    ]
+    assert len(recs) == 2 * 2 * 4 and {r["byte_ratio"] for r in recs} == {4.0, 8.0}
+    by = {(r["source"], r["policy"], r["byte_ratio"]): r for r in recs}
+    src = recs[0]["source"]
+    assert by[(src, "vase", 8.0)]["budget"] == math.ceil(136 / 8)  # as --ratios 8
+    cost4 = (0.5 + 4 / GROUP) / 4
+    assert by[(src, f"vase:kv_bits=4:{g}", 8.0)]["budget"] == math.ceil(136 / (8 * cost4))
+    quantized_full = [by[(src, f"full:kv_bits=8:{g}", r)] for r in (4.0, 8.0)]
+    assert quantized_full[0]["kl_mean"] == quantized_full[1]["kl_mean"] and quantized_full[0]["budget"] == 136
+    for r in recs:
+        assert r["kv_bits"] in (None, 4, 8) and r["memory_compression"] > 0 and r["kept_compression"] > 0
+    assert by[(src, "vase", 4.0)]["kept_compression"] == 4.0
+    report = write_report(tmp_path / "run", tmp_path / "report").read_text()
+    assert "4x bytes (budget" in report and "8x bytes (budget" in report

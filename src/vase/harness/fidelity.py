@@ -430,16 +430,17 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     ref_budget = budgets[config.policies[0]] if kind != "bytes" else length
                     refs = {s["id"]: replay(lm.model, prompt, cont, "full", ref_budget, config.buffer, config.seed)}
                 ref = refs[s["id"]]
-                results = []
+                results = []  # (policy, its scores against the reference, extra fields): no logprobs kept
                 for policy in todo:
                     if policy == "full":
-                        results.append((policy, ref, _memory(kind, configs[(policy, kind, value)], None, length, 0)))
+                        scores = compare(ref, ref, cont, config.bucket)
+                        results.append((policy, scores, _memory(kind, configs[(policy, kind, value)], None, length, 0)))
                         continue
                     cfg = configs[(policy, kind, value)].with_budget(budgets[policy])
                     if (s["id"], policy) in same:  # the same replay whatever the size: the size's own labels
-                        pol, extra = same[(s["id"], policy)]
+                        scores, extra = same[(s["id"], policy)]
                         extra = {**extra, **_memory(kind, cfg, None, length, budgets[policy])}
-                        results.append((policy, pol, {**extra, **same_bytes[(s["id"], policy)]}))
+                        results.append((policy, scores, {**extra, **same_bytes[(s["id"], policy)]}))
                         continue
                     pol, cache = replay(lm.model, prompt, cont, seed=config.seed, record=True, config=cfg)
                     extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
@@ -448,17 +449,18 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     extra.update(guard_counts(cache))
                     extra.update(adaptive_slots(cache))
                     extra.update(_memory(kind, cfg, cache, length, budgets[policy]))
-                    results.append((policy, pol, extra))
+                    scores = compare(ref, pol, cont, config.bucket)
+                    results.append((policy, scores, extra))
                     if cache.quantized and not cfg.policy.evicts:
                         same = {k: v for k, v in same.items() if k[0] == s["id"]}
-                        same[(s["id"], policy)] = (pol, extra)
+                        same[(s["id"], policy)] = (scores, extra)
                         held = ("bytes_held", "bytes_full", "memory_compression")
                         same_bytes[(s["id"], policy)] = {k: extra[k] for k in held}
-                    del cache
+                    del cache, pol
             finally:
                 if hooks is not None:
                     hooks.detach()
-            for policy, pol, extra in results:
+            for policy, scores, extra in results:
                 budget = budgets[policy]
                 rec = {
                     "source": s["id"],
@@ -468,7 +470,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     "compression": extra["kept_compression"] if kind == "bytes" else length / budget,
                     "prompt_tokens": prompt.numel(),
                     "tokens": cont.numel(),
-                    **compare(ref, pol, cont, config.bucket),
+                    **scores,
                     **extra,
                 }
                 fh.write(json.dumps(rec) + "\n")
