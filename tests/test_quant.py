@@ -294,13 +294,19 @@ def _quant_snapshot(cache) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "spec",
-    ["vase:kv_bits=4", "snapkv:kv_bits=2:guard=range:protect_precision=guard", "full:kv_bits=8", "h2o:kv_bits=8"],
+    "spec, attn",
+    [
+        ("vase:kv_bits=4", "sdpa"),
+        ("vase:kv_bits=4", "eager"),
+        ("snapkv:kv_bits=2:guard=range:protect_precision=guard", "sdpa"),
+        ("full:kv_bits=8", "eager"),
+        ("h2o:kv_bits=8", "sdpa"),
+    ],
 )
-def test_ragged_rows_equal_rows_alone(spec):
+def test_ragged_rows_equal_rows_alone(spec, attn):
     """Rows compressed at prefill, at decode, at a continuation or never, quantized at different steps: each row's
-    tokens and stored entries (dequantized) equal those of the row alone."""
-    model = tiny_model("qwen3")
+    tokens and stored entries (dequantized) equal those of the row alone, with sdpa and eager attention."""
+    model = tiny_model("qwen3", attn)
     spec += f":kv_group={GROUP}"
     first = [random_ids(n, seed=10 + i)[0] for i, n in enumerate(PROMPTS)]
     second = [random_ids(n, seed=20 + i)[0] for i, n in enumerate(CONTINUATIONS)]
