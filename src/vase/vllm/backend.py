@@ -1,0 +1,156 @@
+"""The CPU attention backend with vase: physical lengths and slots, then eviction after each layer's attention.
+
+Registered in place of vLLM's ``CPU_ATTN`` by the plugin's entry point (:func:`vase.vllm.register`), in every process.
+Subclasses of vLLM's classes (``v1/attention/backends/cpu_attn.py``), each calling the original:
+
+* :class:`VaseCPUAttentionMetadataBuilder`: when the worker made a plan for the step, the metadata gets the plan's
+  physical ``seq_lens``, slot mapping and block table (the null block for dense rows), so vLLM's kernel scheduler
+  metadata is computed from physical lengths; logical positions (RoPE) are untouched. Without a plan (vase not
+  configured, dummy and profiling runs) it is the stock builder.
+* :class:`VaseCPUAttentionImpl`: writes the step's new keys and values at the plan's physical slots (the backend
+  sets ``forward_includes_kv_cache_update``, so vLLM's layer does not write them at logical slots), runs vLLM's kernel,
+  then :mod:`vase.vllm.compact` (ring, dense rows, eviction). Without a plan it writes at the runner's slots and runs
+  the kernel: exactly the stock backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from . import compact
+from . import state as st
+from .paged import CHECKED_ISAS
+from .settings import settings_from
+
+
+class VaseCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's CPU attention backend whose impl writes the KV cache itself (at physical slots) and evicts."""
+
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return VaseCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return VaseCPUAttentionMetadataBuilder
+
+
+class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's builder, given the step plan's physical lengths and slots (see the module docstring).
+
+    Raises:
+        VaseConfigError: at engine start, for a configuration :func:`vase.vllm.settings.settings_from` refuses (this
+            also catches an engine with vase configured but without the plugin's scheduler and worker classes).
+        ValueError: a CPU attention ISA whose KV layout vase has not been checked against (other than vec/vec16).
+    """
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.vase = settings_from(vllm_config)
+        if self.vase is not None and self.vase.evicts and self.isa not in CHECKED_ISAS:
+            raise ValueError(
+                f"vase: the CPU attention ISA {self.isa!r} stores the KV cache in a layout vase has not been checked "
+                f"against (only {', '.join(CHECKED_ISAS)}): use a float32 model or a CPU without AMX"
+            )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        ws = st.ACTIVE
+        plan = ws.plan if (ws is not None and self.vase is not None) else None
+        if plan is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        t = time.perf_counter()
+        cm = common_attn_metadata
+        if cm.num_reqs != plan.num_reqs:
+            raise RuntimeError(f"vase: the step plan has {plan.num_reqs} requests, the metadata {cm.num_reqs}")
+        table = cm.block_table_tensor
+        if plan.dense.any():  # dense rows: the kernel reads the null block; their output is replaced afterwards
+            table = table.clone()
+            table[torch.from_numpy(plan.dense)] = 0
+        cm = dataclasses.replace(
+            cm,
+            seq_lens=plan.seq_lens,
+            max_seq_len=int(plan.seq_lens.max()),
+            slot_mapping=plan.slot_mapping,
+            block_table_tensor=table,
+        )
+        md = super().build(common_prefix_len, cm, fast_build)
+        md.vase_plan = plan
+        ws.stats["t_build"] += time.perf_counter() - t
+        return md
+
+
+class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention impl, plus the write at physical slots and the eviction (see the module docstring).
+
+    Raises:
+        ValueError: at the first step with vase, a layer with a sliding window, ALiBi, a logit soft-cap or learned
+            sinks (the eviction scores would not see what the kernel computes).
+    """
+
+    _vase_layer: int | None = None
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        if attn_metadata is None:  # warm-up
+            return output
+        n = attn_metadata.num_actual_tokens
+        encoder = self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
+        if not encoder and key is not None and value is not None:
+            # the slots are the plan's physical ones with vase, the runner's otherwise (stock behaviour)
+            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, attn_metadata.slot_mapping)
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        plan = getattr(attn_metadata, "vase_plan", None)
+        if plan is not None:
+            t = time.perf_counter()
+            self._after_attention(layer, query[:n], key[:n], value[:n], kv_cache, plan, output)
+            st.ACTIVE.stats["t_after"] += time.perf_counter() - t
+        return output
+
+    def _after_attention(self, layer, q, k, v, kv_cache, plan, output) -> None:
+        ws = st.ACTIVE
+        if self._vase_layer is None:
+            if (
+                self.sliding_window != -1
+                or self.alibi_slopes is not None
+                or self.logits_soft_cap
+                or self.sinks is not None
+            ):
+                raise ValueError(
+                    f"vase: layer {layer.layer_name} uses a sliding window, ALiBi, a logit soft-cap or learned sinks, "
+                    "which eviction does not support"
+                )
+            self._vase_layer = ws.layer_index[layer.layer_name]
+        li = self._vase_layer
+        compact.save_queries(ws, li, q, plan)
+        dense = {}
+        for r in plan.dense.nonzero()[0].tolist():
+            dense[r] = compact.attend_dense(ws, li, q, k, v, kv_cache, output, plan, r, self.scale)
+        if plan.evict.any():
+            t = time.perf_counter()
+            compact.evict_rows(ws, li, layer, kv_cache, plan, dense, self.scale, self.kv_cache_dtype)
+            ws.stats["t_evict"] += time.perf_counter() - t

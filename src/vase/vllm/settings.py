@@ -1,0 +1,256 @@
+"""vase's settings inside a vLLM engine: parsed from ``additional_config["vase"]``, validated once at engine start.
+
+The configuration travels in the engine's own configuration surface, ``VllmConfig.additional_config`` (set by
+``LLM(..., additional_config={"vase": ...})`` or ``--additional-config '{"vase": ...}'``), which vLLM hands to every
+process (front end, engine core, workers). Two forms, with the command line's policy spec syntax:
+
+* a string: the policy spec with the sizes among its options, ``"snapkv:budget=256:buffer=64"``,
+  ``"vase:preset=paper:budget=256:buffer=64"``, ``"snapkv:selector=sample:budget=512"``;
+* a dict: ``{"policy": "snapkv:selector=sample", "budget": 256, "buffer": 64, "sinks": 4}`` (any other key is a
+  policy option).
+
+The sizes (``budget``, ``buffer``, ``sinks``, ``window``, ``compress_prompt``) and the policy go through
+:meth:`vase.core.config.VaseConfig.resolve`, so they mean what they mean on the command line and fail with the same
+errors. The engine keys are ``admission`` (``"reserve"``, the default: a request gets all its capped blocks when it
+is admitted, so it is never preempted for memory; ``"grow"``: blocks are added as it grows, up to the cap, as vLLM
+does) and nothing else.
+
+:func:`settings_from` then checks the rules the engine must follow (block size, prefix caching, speculative
+decoding, parallelism, the model's layer kinds, the plugin's scheduler and worker classes) and raises one
+:class:`VaseConfigError` naming every broken rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..core.config import VaseConfig
+from ..core.policies import parse_policy_spec
+
+SCHEDULER_CLS = "vase.vllm.scheduler.VaseScheduler"
+WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
+BLOCK_MULTIPLE = 32  # the CPU attention kernel's block sizes: MultipleOf(32) (cpu_attn.py)
+SIZE_KEYS = ("budget", "buffer", "sinks", "window", "compress_prompt")
+ADMISSIONS = ("reserve", "grow")
+# options of other entry points that a serving engine cannot take, with the reason given in the error
+REFUSED_KEYS = {
+    "ratio": "a compression ratio sets each request's budget from its final length, which the engine does not know "
+    "when it allocates blocks: give a budget in tokens",
+    "byte_ratio": "a byte ratio sets each request's budget from its final length: give a budget in tokens",
+    "memory_budget": "give the budget in tokens",
+    "compile": "vLLM decides how the model runs (compile / CUDA graphs are its own options); remove compile",
+    "seed": "the eviction seed is per request: SamplingParams(extra_args={'vase_seed': s}) (default: its seed or 0)",
+}
+
+
+class VaseConfigError(ValueError):
+    """A vase configuration the engine cannot run; the message names every broken rule."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """A resolved vase configuration plus what the engine derives from it (sizes in tokens per request, layer and
+    KV head).
+
+    Attributes:
+        config: the :class:`vase.core.config.VaseConfig` (policy, budget, buffer, sinks, window, recent, prompt).
+        block_size: tokens per KV block (the engine's ``cache_config.block_size``).
+        admission: ``'reserve'`` or ``'grow'`` (see the module docstring).
+        spec: the configuration as given (for logs).
+    """
+
+    config: VaseConfig
+    block_size: int
+    admission: str = "reserve"
+    spec: str = ""
+
+    @property
+    def evicts(self) -> bool:
+        """False for ``full``: the engine then runs exactly as stock vLLM."""
+        return self.config.policy.evicts
+
+    @property
+    def budget(self) -> int:
+        return self.config.budget
+
+    @property
+    def limit(self) -> int:
+        """Physical fill at which a request evicts back to ``budget`` (after its first eviction): budget + buffer."""
+        return self.config.budget + self.config.buffer
+
+    @property
+    def cap_blocks(self) -> int:
+        """KV blocks a request holds at most (with a compressed prompt): ``ceil((budget + buffer) / block_size)``."""
+        return math.ceil(self.limit / self.block_size)
+
+    @property
+    def cap_tokens(self) -> int:
+        """Token slots of :attr:`cap_blocks` blocks (the width of the per-slot tables)."""
+        return self.cap_blocks * self.block_size
+
+    def first_limit(self, prompt_tokens: int) -> int:
+        """Fill at which a request whose prompt has ``prompt_tokens`` tokens first evicts: ``budget + buffer``, or with
+        a dense prompt (``compress_prompt=False``, ``vase:preset=paper``) the first multiple of the buffer above the
+        prompt, at least ``budget + buffer`` (as :meth:`vase.hf.schedule.ScheduleMixin._first_limit`)."""
+        c = self.config
+        if c.compress_prompt:
+            return self.limit
+        return max(c.budget, (prompt_tokens // c.buffer) * c.buffer) + c.buffer
+
+    def request_cap_tokens(self, prompt_tokens: int, max_len: int) -> int:
+        """Token slots (whole blocks) a request may hold: the cap, or with a dense prompt its first limit; never more
+        than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block."""
+        need = max(self.limit, self.first_limit(prompt_tokens))
+        bs = self.block_size
+        return min(math.ceil(need / bs), math.ceil(max(max_len, 1) / bs)) * bs
+
+    def describe(self) -> str:
+        """One line for the engine log."""
+        c = self.config
+        prompt = "compressed at prefill" if c.compress_prompt else "dense until the first eviction"
+        return (
+            f"{c.policy.name} (budget {c.budget}, buffer {c.buffer}, sinks {c.sinks}, window {c.window}, prompt "
+            f"{prompt}): at most {self.cap_blocks} blocks of {self.block_size} tokens per request, admission "
+            f"{self.admission}"
+        )
+
+
+def _as_bool(value, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise VaseConfigError(f"vase: {key} must be true or false, got {value!r}")
+
+
+def parse(raw) -> tuple[VaseConfig, str]:
+    """The :class:`VaseConfig` and the admission mode of a configuration (string or dict, see the module docstring).
+
+    Raises:
+        VaseConfigError: a value that is neither a string nor a dict, an option a serving engine cannot take (a
+            ratio, compile, a seed), an unknown admission mode, or any error of
+            :meth:`vase.core.config.VaseConfig.resolve` (unknown policy or option, sizes out of range, the published
+            preset's rules), prefixed with ``vase:``.
+    """
+    if isinstance(raw, str):
+        name, options = parse_policy_spec(raw)
+    elif isinstance(raw, dict):
+        options = dict(raw)
+        name = options.pop("policy", "vase")
+        if not isinstance(name, str):
+            raise VaseConfigError(f"vase: 'policy' must be a policy spec string, got {name!r}")
+        if ":" in name:
+            name, spec_options = parse_policy_spec(name)
+            options = {**spec_options, **options}
+    else:
+        raise VaseConfigError(
+            f"additional_config['vase'] must be a policy spec string ('snapkv:budget=256') or a dict, got "
+            f"{type(raw).__name__}"
+        )
+    for key, why in REFUSED_KEYS.items():
+        if key in options:
+            raise VaseConfigError(f"vase: option {key!r} is not available in vLLM: {why}")
+    admission = str(options.pop("admission", "reserve"))
+    if admission not in ADMISSIONS:
+        raise VaseConfigError(f"vase: admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+    sizes = {k: options.pop(k) for k in SIZE_KEYS if k in options}
+    if "compress_prompt" in sizes:
+        sizes["compress_prompt"] = _as_bool(sizes["compress_prompt"], "compress_prompt")
+    try:
+        config = VaseConfig.resolve(name, **sizes, **options)
+    except ValueError as exc:
+        raise VaseConfigError(f"vase: {exc}") from None
+    return config, admission
+
+
+def check_policy(config: VaseConfig) -> list[str]:
+    """The policy rules of the CPU engine, as a list of broken ones (empty: fine)."""
+    policy, problems = config.policy, []
+    if policy.sparse is not None:
+        problems.append(
+            f"the selection policy {policy.name!r} attends to a different subset per query head and step, which the "
+            "CPU attention kernel cannot express (one length per request for all heads): use an evicting policy"
+        )
+    if policy.adaptive_budgets:
+        problems.append(
+            "per-head or per-layer budgets (head_budget=adakv, layer_budget=pyramid) are not supported: the CPU "
+            "attention kernel takes one length per request for all heads and layers share one block table"
+        )
+    if policy.options.get("kv_bits") is not None:
+        problems.append("quantized entries (kv_bits) are not supported in vLLM: vLLM's own kv_cache_dtype holds them")
+    return problems
+
+
+def check_engine(vllm_config) -> list[str]:
+    """The engine rules for an evicting policy, as a list of broken ones (empty: fine)."""
+    cc, sc, pc, mc = (
+        vllm_config.cache_config,
+        vllm_config.scheduler_config,
+        vllm_config.parallel_config,
+        vllm_config.model_config,
+    )
+    problems = []
+    if cc.block_size is None or cc.block_size % BLOCK_MULTIPLE:
+        problems.append(f"block_size {cc.block_size}: the CPU attention kernel needs a multiple of {BLOCK_MULTIPLE}")
+    if cc.enable_prefix_caching:
+        problems.append(
+            "prefix caching shares blocks between requests, which eviction rewrites in place: pass "
+            "enable_prefix_caching=False (--no-enable-prefix-caching)"
+        )
+    if vllm_config.speculative_config is not None:
+        problems.append(
+            "speculative decoding is not supported (draft tokens are written past the physical fill and rejected ones "
+            "rolled back): remove speculative_config"
+        )
+    if cc.cache_dtype != "auto":
+        problems.append(f"kv_cache_dtype {cc.cache_dtype!r}: only 'auto' (the model's dtype) is supported")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        problems.append("Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) is not supported: the hooks are in the V1 runner")
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
+        problems.append("tensor, pipeline and data parallelism are not supported: one worker holds each request")
+    if mc.get_sliding_window() is not None or mc.is_hybrid or mc.is_attention_free:
+        problems.append(
+            "sliding-window, hybrid and attention-free models are not supported: every layer must be full attention"
+        )
+    if mc.is_encoder_decoder:
+        problems.append("encoder-decoder models are not supported")
+    if str(sc.scheduler_cls) != SCHEDULER_CLS:
+        problems.append(
+            f"scheduler_cls={SCHEDULER_CLS!r} is required (it caps each request's KV blocks); got {sc.scheduler_cls!r}"
+            " (vase.vllm.engine_args() fills it in)"
+        )
+    if str(pc.worker_cls) != WORKER_CLS:
+        problems.append(
+            f"worker_cls={WORKER_CLS!r} is required (it keeps each request's eviction state); got {pc.worker_cls!r}"
+        )
+    return problems
+
+
+def settings_from(vllm_config) -> EngineSettings | None:
+    """The vase settings of an engine, or None when ``additional_config`` has no ``"vase"`` key (stock vLLM).
+
+    Called at engine start by the worker, the scheduler and the attention metadata builder, in whichever process
+    each runs.
+
+    Raises:
+        VaseConfigError: see :func:`parse`; every broken rule of :func:`check_policy` and, for an evicting policy,
+            of :func:`check_engine`, in one message (``full`` runs on any engine: it is stock vLLM).
+    """
+    extra = vllm_config.additional_config or {}
+    raw = extra.get("vase") if isinstance(extra, dict) else None
+    if raw is None:
+        return None
+    config, admission = parse(raw)
+    settings = EngineSettings(
+        config=config, block_size=int(vllm_config.cache_config.block_size or 0), admission=admission, spec=str(raw)
+    )
+    problems = check_policy(config)  # quest and kv_bits never evict but are refused all the same
+    if settings.evicts:
+        problems += check_engine(vllm_config)
+    if problems:
+        raise VaseConfigError("vase cannot run with this engine configuration:\n  - " + "\n  - ".join(problems))
+    return settings

@@ -1,0 +1,190 @@
+"""Worker side: vLLM's CPU worker whose model runner keeps each request's eviction state and plans each step.
+
+Hook: ``worker_cls="vase.vllm.worker.VaseCPUWorker"``. With vase configured, the worker's ``CPUModelRunner`` is
+re-classed to :class:`VaseCPUModelRunner` (no state of its own besides the :class:`vase.vllm.state.WorkerState`),
+which overrides four methods of vLLM's V1 runner (``v1/worker/gpu_model_runner.py``) and calls each original:
+
+* ``get_kv_cache_spec``: full-attention layers get :class:`vase.vllm.spec.VaseFullAttentionSpec` (memory by the cap);
+* ``initialize_kv_cache``: the layers, in model order, and the shapes of the per-request tables;
+* ``_update_states``: finished, aborted and preempted requests free their row; new and resumed ones get a fresh row
+  (a resumed request is recomputed from its first token, so its state starts over);
+* ``_prepare_inputs``: once the batch rows are final (``input_batch.req_ids``) and the block table committed, the
+  step's plan: each row's physical fill before and after, who evicts, who does not fit, the physical slot of every
+  new token, the kernel's physical ``seq_lens``, which queries go to the ring;
+* ``execute_model``: the plan is committed once the forward has run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from . import state as st
+from .settings import settings_from
+from .spec import VaseFullAttentionSpec
+
+logger = init_logger("vllm.plugins.vase")
+
+
+class VaseCPUWorker(CPUWorker):
+    """vLLM's ``CPUWorker`` with :class:`VaseCPUModelRunner` when vase is configured (stock otherwise).
+
+    Raises:
+        VaseConfigError: at engine start, for a configuration :func:`vase.vllm.settings.settings_from` refuses.
+    """
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        self.vase = settings_from(vllm_config)  # a clear error at engine start, before the model loads
+        super().__init__(vllm_config, *args, **kwargs)
+
+    def init_device(self):
+        super().init_device()
+        if self.vase is not None and self.vase.evicts:
+            self.model_runner.__class__ = VaseCPUModelRunner
+            self.model_runner.vase_state = st.WorkerState(self.vase, self.scheduler_config.max_num_seqs)
+            st.ACTIVE = self.model_runner.vase_state
+
+
+class VaseCPUModelRunner(CPUModelRunner):
+    """vLLM's ``CPUModelRunner`` plus per-request eviction state and a per-step plan (see the module docstring)."""
+
+    vase_state: st.WorkerState
+
+    def get_kv_cache_spec(self):
+        specs = super().get_kv_cache_spec()
+        cap = self.vase_state.s.cap_tokens
+        if not self.vase_state.s.config.compress_prompt:  # a dense prompt: a request may hold up to the model length
+            cap = 0
+        out = {}
+        for name, spec in specs.items():
+            if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+                raise ValueError(
+                    f"vase: layer {name} has a {type(spec).__name__}; only full-attention layers can evict"
+                )
+            out[name] = VaseFullAttentionSpec.from_spec(spec, cap)
+        return out
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"vase: one KV cache group expected (all layers full attention), got {len(groups)}")
+        names = sorted(groups[0].layer_names, key=extract_layer_index)
+        mc, pc = self.model_config, self.parallel_config
+        self.vase_state.allocate(
+            names, mc.get_num_kv_heads(pc), mc.get_num_attention_heads(pc), mc.get_head_size(), mc.dtype
+        )
+        logger.info("vase: %s; %d layers", self.vase_state.s.describe(), len(names))
+
+    def _update_states(self, scheduler_output):
+        s = self.vase_state
+        for rid in scheduler_output.finished_req_ids:
+            s.release(rid)
+        for rid in scheduler_output.preempted_req_ids or ():
+            s.release(rid)
+        for nr in scheduler_output.scheduled_new_reqs:
+            s.admit(nr.req_id, nr.sampling_params, len(nr.prompt_token_ids or ()))
+        for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            req = self.requests[rid]
+            s.admit(rid, req.sampling_params, len(req.prompt_token_ids or ()))
+        return super()._update_states(scheduler_output)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        t = time.perf_counter()
+        self.vase_state.plan = self._vase_plan(num_scheduled_tokens)
+        self.vase_state.stats["t_plan"] += time.perf_counter() - t
+        return out
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        t = time.perf_counter()
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self.vase_state.stats["t_step"] += time.perf_counter() - t
+            self.vase_state.commit()
+
+    def _vase_plan(self, num_scheduled_tokens: np.ndarray) -> st.StepPlan:
+        """The plan of this step (see :class:`vase.vllm.state.StepPlan`)."""
+        s = self.vase_state
+        cfg = s.s.config
+        R = self.input_batch.num_reqs
+        req_ids = list(self.input_batch.req_ids[:R])
+        rows = np.array([s.row_of[r] for r in req_ids], dtype=np.int64)
+        n = num_scheduled_tokens[:R].astype(np.int64)
+        qsl = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        logical_before = self.input_batch.num_computed_tokens_cpu[:R].astype(np.int64)
+        bt = self.input_batch.block_table[0]
+        bs = bt.block_size
+        held = bt.num_blocks_per_row[:R].astype(np.int64)
+        s.stats["max_blocks_per_row"] = max(s.stats["max_blocks_per_row"], int(held.max(initial=0)))
+        fill_before = s.fill[rows]
+        fill_after = fill_before + n
+        evict = fill_after >= s.limit[rows]
+        keep = np.where(evict, cfg.budget, fill_after)
+        dense = fill_after > held * bs
+        if (dense & ~evict).any():
+            bad = [req_ids[i] for i in np.nonzero(dense & ~evict)[0]]
+            raise RuntimeError(f"vase: requests {bad} do not fit in their blocks and do not evict (a bug)")
+        nb = max(int(held.max(initial=1)), 1)
+        block_rows = bt.block_table.np[:R, :nb].astype(np.int64)
+        # physical slot of each new token: fill_before + j in the row's blocks; dense rows write nothing now
+        T = int(qsl[-1])
+        tok_row = np.repeat(np.arange(R), n)
+        j = np.arange(T) - qsl[:-1][tok_row]
+        phys = fill_before[tok_row] + j
+        dense_tok = dense[tok_row]
+        phys_in = np.where(dense_tok, 0, phys)
+        slots = np.where(dense_tok, -1, block_rows[tok_row, phys_in // bs] * bs + phys_in % bs)
+        logical = logical_before[tok_row] + j
+        # the logical position of each token written in place, for every layer at once (compaction then moves each
+        # layer's own copy); slots past the table's width belong to a dense prompt not yet evicted (position = slot)
+        width = s.positions.shape[3]
+        put = ~dense_tok & (phys < width)
+        if put.any():
+            s.positions[:, torch.from_numpy(rows[tok_row[put]]), :, torch.from_numpy(phys[put])] = torch.from_numpy(
+                logical[put]
+            ).view(-1, 1, 1)
+        plan = st.StepPlan(
+            num_reqs=R,
+            req_ids=req_ids,
+            rows=torch.from_numpy(rows),
+            qsl=qsl,
+            n=n,
+            logical_before=logical_before,
+            fill_before=fill_before,
+            fill_after=fill_after,
+            keep=keep,
+            evict=evict,
+            dense=dense,
+            block_rows=torch.from_numpy(block_rows),
+            seq_lens=torch.from_numpy(np.where(dense, n, fill_after).astype(np.int32)),
+            slot_mapping=torch.from_numpy(slots.astype(np.int64)),
+            positions=torch.from_numpy(logical),
+        )
+        if s.ring is not None:
+            self._plan_ring(plan, tok_row, j, rows, logical)
+        return plan
+
+    def _plan_ring(self, plan: st.StepPlan, tok_row, j, rows, logical) -> None:
+        """Which new queries each request saves (its last ``window``), where in its ring, and their positions."""
+        s = self.vase_state
+        w = s.s.config.window
+        first = np.maximum(plan.n - w, 0)[tok_row]
+        save = j >= first
+        tok = np.nonzero(save)[0]
+        ring_row = rows[tok_row[tok]]
+        ring_slot = (s.ring_next[ring_row] + j[tok] - first[tok]) % w
+        plan.ring_tok = torch.from_numpy(tok)
+        plan.ring_row = torch.from_numpy(ring_row)
+        plan.ring_slot = torch.from_numpy(ring_slot)
+        s.ring_pos[plan.ring_row, plan.ring_slot] = torch.from_numpy(logical[tok])
+        s.ring_valid[plan.ring_row, plan.ring_slot] = True
