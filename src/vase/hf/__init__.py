@@ -6,9 +6,19 @@ and mask registries (:mod:`vase.hf.attention`), hybrid models keep their other l
 (:mod:`vase.hf.hybrid`).
 """
 
-from .cache import EvictingCache
-from .compiled import compile_config
-from .models import load_model
-from .stats import CacheStats
+import transformers as _transformers
+from packaging.version import Version as _Version
+
+MIN_TRANSFORMERS = "5.24"
+if _Version(_transformers.__version__).release[:2] < _Version(MIN_TRANSFORMERS).release[:2]:
+    raise ImportError(
+        f"vase's transformers integration needs transformers >= {MIN_TRANSFORMERS}; this environment has "
+        f"{_transformers.__version__} (pinned by vLLM?): use vase.vllm here, or another environment for vase.hf"
+    )
+
+from .cache import EvictingCache  # noqa: E402
+from .compiled import compile_config  # noqa: E402
+from .models import load_model  # noqa: E402
+from .stats import CacheStats  # noqa: E402
 
 __all__ = ["CacheStats", "EvictingCache", "compile_config", "load_model"]
