@@ -1,0 +1,460 @@
+"""vase inside vLLM (CPU): the plugin against plain vLLM and against vase on transformers (docs/SERVING.md).
+
+vLLM's CPU build pins transformers < 5.20, so it lives in its own environment, ``.venv-vllm`` (``make vllm``). The
+engine runs there, in the scenario scripts of ``tests/vllm_scenarios/`` (one process per script, its engines started
+one after another in-process with the fast settings of ../shared/VLLM.md), which write JSON; the references run here,
+in the main environment: vase on transformers (:class:`vase.EvictingCache`) on the same converted weights, the same
+prompt ids, budget, buffer, sinks and seeds. The scenario scripts run in a background thread, one at a time, while
+this process computes the transformers references (two cores busy). Without ``.venv-vllm`` these tests are skipped.
+About 6 minutes on this 2-core machine, most of it engine starts and transformers decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+SCENARIOS = Path(__file__).resolve().parent / "vllm_scenarios"
+MODEL_DIR = ROOT / "build" / "vllm" / "smollm2"
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PY.exists(),
+    reason=".venv-vllm is absent: `make vllm` builds it (vLLM's CPU build pins transformers < 5.20, so vase.vllm is "
+    "tested in its own environment)",
+)
+BUDGET, BUFFER, SINKS, NEW = 48, 16, 4, 96
+CAP_BLOCKS = 2  # ceil((48 + 16) / 32)
+GREEDY = ["streaming_llm", "snapkv", "h2o", "vase:selector=topk", "tova", "rkv"]
+SAMPLED = ["vase", "vase:preset=paper"]
+SEEDS = [11, 12, 13]
+TEXTS = [
+    "Tell me a story about a fox.",
+    "Explain in detail how a bicycle works, including the gears, the brakes and the chain, and why it is efficient.",
+    "Here are some notes. "
+    + " ".join(f"Note {i}: item {i % 5} weighs {i * 7 % 31} kg." for i in range(9))
+    + " Summarize the notes.",
+]
+
+
+# ---------------------------------------------------------------------------------------- without vLLM (any env)
+def test_spec_string_and_dict_resolve_alike():
+    from vase.vllm.settings import parse
+
+    a, adm_a = parse("snapkv:selector=sample:budget=256:buffer=32:sinks=2")
+    b, adm_b = parse({"policy": "snapkv:selector=sample", "budget": 256, "buffer": 32, "sinks": 2})
+    assert (a.budget, a.buffer, a.sinks, a.policy.options["selector"]) == (256, 32, 2, "sample")
+    assert (b.budget, b.buffer, b.sinks, b.policy.options) == (a.budget, a.buffer, a.sinks, a.policy.options)
+    assert adm_a == adm_b == "reserve"
+    paper, _ = parse("vase:preset=paper:budget=256:buffer=64")
+    assert not paper.compress_prompt and paper.window == 64
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ("snapkvv:budget=128", "unknown policy 'snapkvv' (did you mean 'snapkv'?)"),
+        ("vase:ratio=4", "ratio"),
+        ("vase:budget=128:compile=1", "compile"),
+        ("vase:budget=128:seed=3", "vase_seed"),
+        ("vase:budget=128:admission=lazy", "admission must be one of"),
+        ("streaming_llm:budget=16:buffer=16", "budget (16) must be larger than sinks + buffer"),
+        ("vase:preset=paper:budget=100:buffer=16", "multiple of the buffer"),
+        (42, "must be a policy spec string"),
+    ],
+)
+def test_spec_errors_name_the_rule(raw, words):
+    from vase.vllm.settings import VaseConfigError, parse
+
+    with pytest.raises(VaseConfigError) as exc:
+        parse(raw)
+    assert words in str(exc.value)
+
+
+def test_engine_args_and_policy_rules():
+    import vase.vllm
+    from vase.vllm.settings import check_policy, parse
+
+    kw = vase.vllm.engine_args("snapkv", budget=128, buffer=32, selector="sample")
+    assert kw["additional_config"] == {
+        "vase": {"policy": "snapkv", "selector": "sample", "budget": 128, "buffer": 32, "admission": "reserve"}
+    }
+    assert kw["scheduler_cls"] == "vase.vllm.scheduler.VaseScheduler" and kw["enable_prefix_caching"] is False
+    with pytest.raises(vase.vllm.VaseConfigError, match="buffer must be >= 1"):
+        vase.vllm.engine_args("vase", budget=128, buffer=0)
+    for spec, words in [
+        ("snapkv:head_budget=adakv:budget=128", "one length per request"),
+        ("snapkv:layer_budget=pyramid:budget=128", "one length per request"),
+        ("quest:budget=128", "selection policy 'quest'"),
+    ]:
+        assert words in " ".join(check_policy(parse(spec)[0])), spec
+    assert check_policy(parse("h2o:budget=128")[0]) == []
+
+
+def test_serve_argv_fills_in_the_engine_flags():
+    from vase.vllm.serve import server_argv
+    from vase.vllm.settings import VaseConfigError
+
+    argv = server_argv(["/m", "--port", "8001", "--vase", "snapkv:budget=256", "--additional-config", '{"x": 1}'])
+    assert argv[:4] == ["--model", "/m", "--port", "8001"]
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {"x": 1, "vase": "snapkv:budget=256"}
+    assert "--no-enable-prefix-caching" in argv and argv[argv.index("--block-size") + 1] == "32"
+    assert argv[argv.index("--worker-cls") + 1] == "vase.vllm.worker.VaseCPUWorker"
+    with pytest.raises(VaseConfigError, match="--vase SPEC is required"):
+        server_argv(["/m"])
+    with pytest.raises(VaseConfigError, match="unknown policy"):
+        server_argv(["/m", "--vase", "nope"])
+
+
+def test_worker_state_rows_seeds_and_limits():
+    """Rows are reused, the eviction seed is ``vase_seed``, else the sampling seed, else 0; a dense prompt's first
+    limit follows the prompt (as vase.hf's schedule)."""
+    from types import SimpleNamespace
+
+    from vase.core import rng
+    from vase.vllm.settings import EngineSettings, parse
+    from vase.vllm.state import WorkerState
+
+    cfg, _ = parse("vase:preset=paper:budget=64:buffer=16")
+    ws = WorkerState(EngineSettings(cfg, block_size=32), max_reqs=40)
+    ws.allocate([f"l{i}" for i in range(2)], kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float32)
+    ws.admit("a", SimpleNamespace(extra_args={"vase_seed": 5}, seed=9), prompt_tokens=100)
+    ws.admit("b", SimpleNamespace(extra_args=None, seed=9), prompt_tokens=10)
+    ws.admit("c", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=10)
+    assert [ws.seed_of(r) for r in "abc"] == [rng.row_key(5), rng.row_key(9), rng.row_key(0)]
+    assert ws.limit[ws.row_of["a"]] == 96 + 16 and ws.limit[ws.row_of["b"]] == 64 + 16
+    for k in range(30):  # grows past its first 16 rows
+        ws.admit(f"x{k}", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=1)
+    assert ws.capacity == 40 and ws.positions.shape[1] == 40 and len(ws.row_of) == 33
+    ws.release("a")
+    ws.admit("d", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=1)
+    assert len(set(ws.row_of.values())) == len(ws.row_of) == 33
+
+
+# ---------------------------------------------------------------------------------------------------- with vLLM
+@pytest.fixture(scope="module")
+def model_dir():
+    """The embedded model converted for vLLM (``make vllm`` makes it; converted here if it is missing)."""
+    if not (MODEL_DIR / "vase-convert.json").is_file():
+        from vase.hf.convert import convert_for_vllm
+
+        convert_for_vllm("smollm2", MODEL_DIR)
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    import vase
+
+    return vase.load_model(str(model_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_model):
+    tok = hf_model.tokenizer
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for t in TEXTS
+    ]
+    ids = [list(tok.encode(c, add_special_tokens=False)) for c in chats]
+    assert len(ids[0]) < BUDGET + BUFFER < len(ids[2]), [len(i) for i in ids]  # one prompt compressed at prefill
+    return ids
+
+
+def _run_script(name: str, job: dict, folder: Path) -> dict:
+    (folder / f"{name}.job.json").write_text(json.dumps(job))
+    out = folder / f"{name}.json"
+    with open(folder / f"{name}.log", "w") as log:
+        proc = subprocess.run(
+            [str(VLLM_PY), str(SCENARIOS / f"{name}.py"), str(folder / f"{name}.job.json"), str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=1200,
+        )
+    if proc.returncode != 0:
+        tail = (folder / f"{name}.log").read_text()[-3000:]
+        raise AssertionError(f"scenario {name} failed (rc {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def scenarios(model_dir, prompts, tmp_path_factory):
+    """Every scenario script, started now, one at a time in a background thread; ``{name: Future}``."""
+    folder = tmp_path_factory.mktemp("vllm")
+    model = str(model_dir)
+    vase_kw = dict(budget=BUDGET, buffer=BUFFER, sinks=SINKS)
+    engines = [
+        {"name": "plain", "vase": None},
+        {"name": "full", "vase": {"policy": "full"}},
+        {"name": "big", "vase": {"policy": "streaming_llm", "budget": 4096, "buffer": BUFFER, "sinks": SINKS}},
+        *[{"name": p, "vase": {"policy": p, **vase_kw}} for p in GREEDY],
+        *[{"name": p, "vase": {"policy": p, **vase_kw}, "seeds": SEEDS} for p in SAMPLED],
+    ]
+    jobs = {
+        "exact": {"model": model, "prompts": prompts, "max_tokens": NEW, "engines": engines},
+        "batch": {
+            "model": model,
+            "prompts": [prompts[1], prompts[0], prompts[2], prompts[0][:20]],
+            "max_tokens": NEW,
+            "vase": {"policy": "vase", **vase_kw},
+            "join_steps": [0, 9, 40],
+        },
+        "lifecycle": {
+            "model": model,
+            "prompts": [p[:20] for p in prompts] * 2,
+            "max_tokens": 64,
+            "vase": {"policy": "streaming_llm", **vase_kw},
+            "blocks": 7,
+            "abort_step": 15,
+        },
+        "badcfg": {"model": model},
+    }
+    pool = ThreadPoolExecutor(max_workers=1)
+    futures = {name: pool.submit(_run_script, name, job, folder) for name, job in jobs.items()}
+    yield futures
+    for f in futures.values():
+        f.cancel()
+    pool.shutdown(wait=True)
+
+
+def _greedy_hf(model, prompt: list[int], n: int, **cache_kw) -> list[int]:
+    """Greedy tokens (end-of-sequence not special, as vLLM's ignore_eos) with an EvictingCache."""
+    import vase
+
+    cache = vase.EvictingCache(model, **cache_kw)
+    out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+    gen = []
+    while True:
+        gen.append(int(out.logits[0, -1].argmax()))
+        if len(gen) == n:
+            return gen
+        out = model(input_ids=torch.tensor([[gen[-1]]]), cache=cache, use_cache=True)
+
+
+@pytest.fixture(scope="module")
+def hf_refs(scenarios, hf_model, prompts):
+    """vase on transformers for each policy compared (computed while the scenarios run)."""
+    refs = {}
+    with torch.no_grad():
+        for p in GREEDY + SAMPLED:
+            seeds = SEEDS if p in SAMPLED else [0] * len(prompts)
+            refs[p] = [
+                _greedy_hf(hf_model.model, ids, NEW, policy=p, budget=BUDGET, buffer=BUFFER, sinks=SINKS, seed=s)
+                for ids, s in zip(prompts, seeds)
+            ]
+    return refs
+
+
+@pytest.fixture(scope="module")
+def runs(scenarios, hf_refs):
+    """The scenarios' futures, once the transformers references are done (they run meanwhile)."""
+    return scenarios
+
+
+def _result(scenarios: dict[str, Future], name: str) -> dict:
+    return scenarios[name].result()
+
+
+@needs_vllm
+def test_budget_at_least_the_length_equals_plain_vllm(runs):
+    res = _result(runs, "exact")
+    plain = res["plain"]["outputs"]
+    assert all(len(o) == NEW for o in plain)
+    assert res["full"]["outputs"] == plain  # the policy that never evicts: stock vLLM
+    assert res["big"]["outputs"] == plain
+    assert res["big"]["stats"]["worker"]["rows_evicted"] == 0
+
+
+@needs_vllm
+@pytest.mark.parametrize("policy", GREEDY + SAMPLED)
+def test_tokens_equal_vase_on_transformers(runs, hf_refs, policy):
+    """Several concurrent prompts of different lengths (one compressed at prefill), many evictions: the tokens of
+    vLLM + vase are those of vase on transformers (sampled policies: same seeds, hence the same draws and kept sets;
+    greedy decoding)."""
+    res = _result(runs, "exact")
+    got = res[policy]["outputs"]
+    assert got == hf_refs[policy], [
+        next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None) for g, r in zip(got, hf_refs[policy])
+    ]
+    worker = res[policy]["stats"]["worker"]
+    assert worker["rows_evicted"] >= 12 and worker["dense_rows"] >= (1 if policy != "vase:preset=paper" else 0)
+    assert got != res["plain"]["outputs"]  # eviction changed something
+
+
+@needs_vllm
+def test_blocks_held_never_exceed_the_cap(runs, prompts):
+    res = _result(runs, "exact")
+    for name in GREEDY + ["vase"]:
+        sched, worker = res[name]["stats"]["scheduler"], res[name]["stats"]["worker"]
+        assert sched["cap_blocks"] == CAP_BLOCKS
+        assert sched["max_blocks_held"] == CAP_BLOCKS and sched["max_over_cap"] <= 0, (name, sched)
+        assert worker["max_blocks_per_row"] == CAP_BLOCKS and worker["max_fill"] <= BUDGET + BUFFER, (name, worker)
+    # the published preset keeps its prompt dense: the cap follows the prompt, then goes back after its first eviction
+    paper = res["vase:preset=paper"]["stats"]
+    assert paper["scheduler"]["max_over_cap"] <= 0 and paper["scheduler"]["trimmed"] >= 1
+    assert paper["worker"]["max_blocks_per_row"] > CAP_BLOCKS
+
+
+@needs_vllm
+def test_sampled_request_unchanged_by_the_batch(runs):
+    res = _result(runs, "batch")
+    assert len(res["alone"]) == NEW
+    assert res["in_batch"] == res["alone"]  # others joined before, during and after it
+    assert res["sampling_seed"] == res["alone"]  # SamplingParams.seed is the eviction seed without vase_seed
+    assert res["batch_stats"]["worker"]["live_max"] >= 3
+
+
+@needs_vllm
+def test_chunked_prefill_compresses_per_chunk_within_the_cap(runs):
+    res = _result(runs, "batch")
+    st = res["chunked_stats"]
+    assert [len(o) for o in res["chunked"]] == [NEW] * 4
+    assert st["scheduler"]["max_blocks_held"] <= CAP_BLOCKS and st["worker"]["max_blocks_per_row"] <= CAP_BLOCKS
+    assert st["worker"]["dense_rows"] >= 2  # the long prompt's chunks did not fit and were compressed one by one
+
+
+@needs_vllm
+def test_preempted_and_aborted_requests_free_their_blocks(runs):
+    res = _result(runs, "lifecycle")
+    for admission in ("grow", "reserve"):
+        r = res[admission]
+        assert r["max_blocks_held"] <= CAP_BLOCKS, admission
+        assert r["aborted_holding"] == 0 and r["preempted_holding"] == 0, admission
+        assert r["free_blocks"] == r["pool_blocks"] and r["req_to_blocks"] == {}, admission
+        assert set(r["finished"]) == {f"r{k}" for k in range(6)} - {"r1"}, admission
+        assert all(n == 64 for n in r["finished"].values()), admission
+        assert r["worker_rows_after"] <= 1  # only the last short request, heard of one step late
+        assert r["stats"]["scheduler"]["max_over_cap"] <= 0
+    assert res["grow"]["stats"]["scheduler"]["preemptions"] >= 1 and res["grow"]["preempted_seen"] >= 1
+    assert res["reserve"]["stats"]["scheduler"]["preemptions"] == 0
+    assert res["reserve"]["stats"]["scheduler"]["peak_running"] <= 6 // CAP_BLOCKS
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("unknown_policy", "unknown policy 'snapkvv'"),
+        ("adakv", "one length per request"),
+        ("pyramid", "one length per request"),
+        ("quest", "selection policy 'quest'"),
+        ("ratio", "compression ratio"),
+        ("compile", "compile"),
+        ("kv_bits", "kv_bits"),
+        ("sizes", "must be larger than sinks + buffer"),
+        ("paper_budget", "multiple of the buffer"),
+        ("prefix_caching", "prefix caching"),
+        ("block_size", "multiple of 32"),
+        ("no_classes", "scheduler_cls="),
+        ("speculative", "speculative"),
+        ("sliding_model", "sliding-window"),
+    ],
+)
+def test_bad_configurations_refused_at_start(runs, case, words):
+    res = _result(runs, "badcfg")
+    assert res["good"]["error"] is None
+    assert res[case]["error"] is not None, f"{case}: the engine started"
+    assert words in res[case]["message"], res[case]
+
+
+@needs_vllm
+def test_vllm_environment_refuses_vase_hf_clearly():
+    """vLLM's environment holds an older transformers: vase.hf says so at import, vase.vllm imports."""
+    code = "import vase.vllm\ntry:\n    import vase.hf\nexcept ImportError as e:\n    print(e)"
+    out = subprocess.run([str(VLLM_PY), "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "vase's transformers integration needs transformers >= 5.24" in out.stdout
+    assert "use vase.vllm here" in out.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_vllm
+def test_server_answers_with_eviction(runs, model_dir, prompts, tmp_path):
+    """``python -m vase.vllm.serve`` (vLLM's OpenAI server, engine and worker in their own processes) answers a
+    completion with the same tokens as the offline engine with eviction, not plain vLLM's."""
+    offline = _result(runs, "exact")
+    k = next(
+        i for i, (a, b) in enumerate(zip(offline["streaming_llm"]["outputs"], offline["plain"]["outputs"])) if a != b
+    )
+    port = _free_port()
+    env = {key: v for key, v in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+    )
+    cmd = [
+        str(VLLM_PY),
+        "-m",
+        "vase.vllm.serve",
+        str(model_dir),
+        "--vase",
+        f"streaming_llm:budget={BUDGET}:buffer={BUFFER}:sinks={SINKS}",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "512",
+        "--port",
+        str(port),
+        "--seed",
+        "0",
+    ]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        body = {
+            "model": str(model_dir),
+            "prompt": prompts[k],
+            "max_tokens": NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        answer = json.load(urllib.request.urlopen(req, timeout=600))
+        ids = answer["choices"][0]["token_ids"]
+        assert ids == offline["streaming_llm"]["outputs"][k]
+        assert ids != offline["plain"]["outputs"][k]
+        assert "vase: streaming_llm (budget 48" in log.read_text()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)

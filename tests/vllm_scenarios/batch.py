@@ -1,0 +1,53 @@
+"""Sampled eviction is per request: a request's tokens alone and with other requests joining the batch at different
+steps; the seed from ``SamplingParams.seed`` when ``vase_seed`` is not given; chunked prefill (per-chunk compression).
+
+Job: ``{"model", "prompts": [[ids]] (the first is the request watched), "max_tokens", "vase": engine_args kwargs,
+"join_steps": [step at which each other prompt joins]}``.
+"""
+
+from __future__ import annotations
+
+import common
+
+if __name__ == "__main__":
+    spec, out = common.job()
+    prompts, n = spec["prompts"], spec["max_tokens"]
+    result = {}
+    llm = common.make_llm(spec["model"], spec["vase"])
+    watched = common.tokens_prompt(prompts[0])
+    result["alone"] = list(
+        llm.generate([watched], common.params(n, extra_args={"vase_seed": 7}), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    result["other_seed"] = list(
+        llm.generate([watched], common.params(n, extra_args={"vase_seed": 8}), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    result["sampling_seed"] = list(
+        llm.generate([watched], common.params(n, seed=7), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    # the same request while others arrive (before it and after it) and leave, on the same engine
+    eng = llm.llm_engine
+    joins = dict(zip(spec["join_steps"], range(1, len(prompts))))
+    done, step = {}, 0
+    eng.add_request("watched", watched, common.params(n, extra_args={"vase_seed": 7}))
+    while eng.has_unfinished_requests() or joins:
+        if step in joins:
+            k = joins.pop(step)
+            eng.add_request(
+                f"other{k}",
+                common.tokens_prompt(prompts[k]),
+                common.params(n + 13 * k, extra_args={"vase_seed": 100 + k}),
+            )
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        step += 1
+    result["in_batch"] = done["watched"]
+    result["batch_stats"] = common.stats(llm)
+    common.free(llm)
+    # chunked prefill: a long prompt split into chunks, each compressed against what the previous ones kept
+    llm = common.make_llm(spec["model"], spec["vase"], enable_chunked_prefill=True, max_num_batched_tokens=32)
+    outs = llm.generate([common.tokens_prompt(p) for p in prompts], common.params(n), use_tqdm=False)
+    result["chunked"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["chunked_stats"] = common.stats(llm)
+    common.write(out, result)
+    common.free(llm)
