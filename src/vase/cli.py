@@ -53,6 +53,7 @@ def friendly(fn):
         except (ValueError, OSError, NotImplementedError) as exc:
             _fail(_message(exc))
         except KeyboardInterrupt:
+            sys.stderr.write("\n")  # below a progress bar that was being drawn
             saved = RESUMABLE.get(fn.__name__)
             _fail(
                 f"interrupted: the {saved} written so far are saved; run the same command again to resume"
@@ -145,8 +146,8 @@ def generate(
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="tokens generated at most per completion"),
     min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="suppress end-of-sequence before this many"),
     temperature: float = typer.Option(0.0, help="0 = greedy; reasoning models: 0.6"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    top_k: int = typer.Option(20, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling: keep the smallest set of tokens of this mass"),
+    top_k: int = typer.Option(20, "--top-k", help="sample among the k most likely tokens (0 = off)"),
     system: str | None = typer.Option(None, help="system prompt"),
     no_chat: bool = typer.Option(False, "--no-chat", help="do not apply the chat template"),
     compile: bool = typer.Option(
@@ -309,15 +310,19 @@ def eval_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="results directory (resumes if it exists)"),
     tasks: str = typer.Option("gsm8k", help="comma-separated task names or JSONL files"),
     policies: str = typer.Option("full,streaming_llm,snapkv,rkv,vase", help="comma-separated, or 'all'"),
-    budgets: str | None = typer.Option(None, help="comma-separated budgets in tokens"),
-    ratios: str | None = typer.Option(None, help="comma-separated compression ratios"),
+    budgets: str | None = typer.Option(
+        None, help="comma-separated budgets in tokens (give --budgets, --ratios or both: there is no default)"
+    ),
+    ratios: str | None = typer.Option(
+        None, help="comma-separated compression ratios: budget = (median prompt + max new tokens) / ratio"
+    ),
     seeds: str = typer.Option("0", help="comma-separated seeds: k seeds = k samples per problem"),
     limit: int | None = typer.Option(None, help="first N problems of each task"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="tokens generated at most per completion"),
     greedy: bool = typer.Option(False, "--greedy", help="greedy decoding (CPU smoke runs)"),
     temperature: float = typer.Option(0.6, help="sampling temperature (reasoning-model default 0.6)"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    top_k: int = typer.Option(20, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling: keep the smallest set of tokens of this mass"),
+    top_k: int = typer.Option(20, "--top-k", help="sample among the k most likely tokens (0 = off)"),
     buffer: int = BufferOpt,
     batch_size: int = typer.Option(4, "--batch-size", help="completions generated together"),
     shard: str | None = typer.Option(None, help="I/N: run every N-th work unit starting at I"),
@@ -444,6 +449,8 @@ def fidelity(
     whose kept bytes are the full cache's over the ratio, in the model's dtype; records add the bytes held."""
     from .harness.fidelity import FidelityConfig, run_fidelity
 
+    if ratios is not None and not (_csv(ratios, float) or _csv(budgets, int) or _csv(byte_ratios, float)):
+        raise ValueError("--ratios is empty and no --budgets are given: give at least one ratio or budget")
     _threads()
     config = FidelityConfig(
         model=model or "smollm2",

@@ -104,8 +104,9 @@ class CacheStats:
         seqs = f"{self.batch} sequence" + ("s" if self.batch != 1 else "")
         each = " each" if self.batch > 1 else ""
         kv = f", {self.kv_bits}-bit KV (groups of {self.kv_group})" if self.kv_bits is not None else ""
+        evictions = "evictions" if self.batch <= 1 else "eviction steps"  # a step where any sequence evicted
         return (
             f"policy {self.policy}, budget {self.budget} + buffer {self.buffer}{kv} | {seqs}, {self.tokens_seen} "
-            f"tokens seen{each}, {self.evictions} evictions | KV {self.slots_held}/{self.capacity} slots{each}, "
+            f"tokens seen{each}, {self.evictions} {evictions} | KV {self.slots_held}/{self.capacity} slots{each}, "
             f"{self.memory_text()}"
         )
