@@ -363,7 +363,9 @@ class QuantizedLayer(EvictingLayer):
         prot = torch.zeros_like(eligible)
         if p:
             count = [min(p, quant.protected_slots(c.policy.guard, q, c.sinks)) for q in q_new]
-            prot = quant.precision_mask(c.policy.guard, values[:, :, :lim], eligible, torch.tensor(count))
+            prot = quant.precision_mask(
+                c.policy.guard, values[:, :, :lim], eligible, torch.tensor(count, device=self.device)
+            )
         isq = eligible & ~prot
         need = isq & ~from_q  # entries quantized now, from their full-precision values
         width = int(need.sum(-1).max()) if need.numel() else 0
