@@ -174,11 +174,12 @@ def paired_speed(
 
     Returns:
         ``{"context", "steps", "budget", "buffer", "runs": [{"policy", "tok_s", "block_tok_s": [min, max],
-        "vs_first", "kv_bytes", "evict_ms", "dequant_ms"}]}``; tokens/s = steps / total seconds of that policy's
-        blocks; ``kv_bytes``: what its cache holds at the end (:func:`kv_bytes`: buffers allocated, quest's page
-        metadata included); ``evict_ms`` / ``dequant_ms``: milliseconds per decode step spent evicting (scoring,
-        selection, compaction and, with ``kv_bits``, quantizing what is kept) and dequantizing for attention
-        (``kv_bits``), over the timed steps (0 for ``DynamicCache``).
+        "vs_first", "kv_bytes", "evict_ms", "quant_ms", "dequant_ms"}]}``; tokens/s = steps / total seconds of that
+        policy's blocks; ``kv_bytes``: what its cache holds at the end (:func:`kv_bytes`: buffers allocated, quest's
+        page metadata included); ``evict_ms`` / ``quant_ms`` / ``dequant_ms``: milliseconds per decode step spent
+        evicting (scoring, selection, compaction and, with ``kv_bits``, quantizing what is kept), quantizing with
+        ``kv_bits`` (at compactions, so partly inside ``evict_ms``, and every ``buffer`` tokens without one) and
+        dequantizing for attention, over the timed steps (0 for ``DynamicCache``).
 
     Raises:
         ValueError: for ``steps`` < 1 or a ``context`` shorter than ``budget + buffer``.
@@ -198,7 +199,7 @@ def paired_speed(
         states.append(
             {"policy": policy, "cache": cache, "step": step, "next": nxt, "done": 0, "seconds": 0.0, "blocks": []}
         )
-        states[-1].update(evict=0.0, dequant=0.0)
+        states[-1].update(evict=0.0, quant=0.0, dequant=0.0)
     bar = tqdm(total=steps * len(policies), desc="paired decode", unit="tok", disable=not progress)
     turn = 0
     while any(s["done"] < steps for s in states):
@@ -215,8 +216,8 @@ def paired_speed(
                 nxt = step(nxt, at + i)
             _sync(lm.device)
             dt = time.perf_counter() - t0
-            ev, dq = (b - a for a, b in zip(counters, _cost_counters(s["cache"])))
-            s["evict"], s["dequant"] = s["evict"] + ev, s["dequant"] + dq
+            ev, qu, dq = (b - a for a, b in zip(counters, _cost_counters(s["cache"])))
+            s["evict"], s["quant"], s["dequant"] = s["evict"] + ev, s["quant"] + qu, s["dequant"] + dq
             s["next"], s["done"], s["seconds"] = nxt, s["done"] + n, s["seconds"] + dt
             s["blocks"].append(n / dt)
             bar.update(n)
@@ -231,6 +232,7 @@ def paired_speed(
             "vs_first": steps / s["seconds"] / first,
             "kv_bytes": kv_bytes(s["cache"]),
             "evict_ms": 1000 * s["evict"] / steps,
+            "quant_ms": 1000 * s["quant"] / steps,
             "dequant_ms": 1000 * s["dequant"] / steps,
         }
         for s in states
@@ -238,9 +240,10 @@ def paired_speed(
     return {"context": context, "steps": steps, "budget": budget, "buffer": buffer, "runs": runs}
 
 
-def _cost_counters(cache) -> tuple[float, float]:
-    """(eviction seconds, dequantization seconds) a cache has counted so far (0 for a transformers cache)."""
-    return getattr(cache, "_eviction_seconds", 0.0), getattr(cache, "_dequant_seconds", 0.0)
+def _cost_counters(cache) -> tuple[float, float, float]:
+    """(eviction, quantization, dequantization) seconds a cache has counted so far (0 for a transformers cache)."""
+    names = ("_eviction_seconds", "_quant_seconds", "_dequant_seconds")
+    return tuple(getattr(cache, n, 0.0) for n in names)
 
 
 def _eager_step(model, policy: str, cache):
@@ -376,6 +379,7 @@ def paired_markdown(res: dict) -> str:
                 "KV MiB at the end",
                 f"KV × {ref}",
                 "eviction ms/step",
+                "quantization ms/step",
                 "dequantization ms/step",
             ]
         ),
@@ -385,7 +389,7 @@ def paired_markdown(res: dict) -> str:
         lo, hi = r["block_tok_s"]
         kv = r.get("kv_bytes")
         mem = [f"{kv / MIB:.1f}", f"{kv / kv_ref:.3f}"] if kv is not None and kv_ref else ["—", "—"]
-        cost = [f"{r[k]:.2f}" if k in r else "—" for k in ("evict_ms", "dequant_ms")]
+        cost = [f"{r[k]:.2f}" if k in r else "—" for k in ("evict_ms", "quant_ms", "dequant_ms")]
         lines.append(
             _row([r["policy"], f"{r['tok_s']:.2f}", f"{lo:.1f} / {hi:.1f}", f"{r['vs_first']:.3f}", *mem, *cost])
         )
