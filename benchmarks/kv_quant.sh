@@ -18,8 +18,7 @@ BOTH=vase:kv_bits=8,vase:kv_bits=4,vase:kv_bits=2,vase:kv_bits=8:$VG,vase:kv_bit
 BOTH=$BOTH,h2o:kv_bits=8,h2o:kv_bits=4,h2o:kv_bits=8:$G,h2o:kv_bits=4:$G
 BOTH=$BOTH,snapkv:kv_bits=8,snapkv:kv_bits=4,snapkv:kv_bits=8:$G,snapkv:kv_bits=4:$G
 ALL=$EVICT,$QUANT,$BOTH
-PLANTED=vase,h2o,full:kv_bits=8,full:kv_bits=4,full:kv_bits=4:$G,vase:kv_bits=8,vase:kv_bits=4,vase:kv_bits=4:$VG
-PLANTED=$PLANTED,h2o:kv_bits=4,h2o:kv_bits=4:$G
+PLANTED=vase,h2o,full:kv_bits=4,full:kv_bits=4:$G,vase:kv_bits=4,vase:kv_bits=4:$VG,h2o:kv_bits=4,h2o:kv_bits=4:$G
 PLANT=(--plant-layers 4,12,20 --plant-tokens 8 --plant-scale 20)
 COMMON=(--prompts 10 --tokens 1024 --buffer 32)
 case "${1:-}" in
