@@ -95,7 +95,7 @@ def test_gpu_script_at_toy_size_on_cpu(tmp_path):
     saved = json.loads((tmp_path / "g.json").read_text())
     assert saved["shape"] == "tiny" and [r["mode"] for r in saved["runs"]] == ["vase", "full"]
     assert all(r["complete"] and r["tok_s"] > 0 for r in saved["runs"]) and res["speedup"] > 0
-    assert "evictions" in saved["runs"][0]["stats"]
+    assert "eviction steps" in saved["runs"][0]["stats"]
 
 
 def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
@@ -111,7 +111,7 @@ def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
     assert modes == ["vase+compile", "vase", "full+compile", "full"]
     assert all(r["complete"] and r["tok_s"] > 0 for r in res["runs"])
     assert res["vs_full"]["full"] == 1.0 and res["vs_full_compiled"]["full+compile"] == 1.0
-    assert "evictions" in res["runs"][0]["stats"] and res["attn"] == "sdpa"
+    assert "eviction steps" in res["runs"][0]["stats"] and res["attn"] == "sdpa"
 
 
 def test_cli_bench_end_to_end(embedded, tmp_path):
