@@ -298,3 +298,19 @@ def test_stats_line_says_sequences_and_when_memory_exceeds_the_full_cache():
     assert line.startswith("[vase] 2 prompts, 24 tok in all, generated 80 tok in all | ")
     assert "| 2 sequences, 55 tokens seen each, " in line and "slots each" in line and "x smaller |" in line
     assert " eviction steps | KV " in line  # steps in which any sequence evicted, not evictions per sequence
+
+
+def test_generate_keeps_the_published_presets_dense_prompt():
+    """``generate`` leaves the prompt's handling to the policy unless told: the published preset keeps a prompt longer
+    than the budget dense until its first eviction (capacity follows the prompt); ``compress_prompt=True`` overrides
+    it, and plain ``vase`` compresses at prefill (capacity budget + buffer)."""
+    model, tok, text = tiny_model(), TinyTokenizer(), "the quick brown fox jumps over the lazy dog, twice " * 2
+    kw = dict(budget=24, buffer=8, max_new_tokens=2, chat=False)
+    prompt = int(tok(text)["input_ids"].shape[1])
+    assert prompt > 24 + 8
+    dense = generate(model, tok, text, policy="vase:preset=paper", **kw).stats
+    forced = generate(model, tok, text, policy="vase:preset=paper", compress_prompt=True, **kw).stats
+    plain = generate(model, tok, text, policy="vase", **kw).stats
+    assert dense.evictions == 0 and dense.capacity > prompt and dense.slots_held == prompt + 1
+    assert forced.evictions == 1 and forced.capacity == 32 and forced.slots_held <= 32
+    assert plain.evictions == 1 and plain.capacity == 32

@@ -166,7 +166,7 @@ def generate(
         sinks=sinks,
         window=window,
         seed=seed,
-        compress_prompt=not dense_prompt,
+        compress_prompt=False if dense_prompt else None,  # else the policy's own (the preset: dense)
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
         temperature=temperature,

@@ -298,7 +298,7 @@ def run_sweep(
     budgets = _ratio_budgets(config, problems, lm.tokenizer, encode_prompts)
     # one configuration per policy, resolved once (the budget of each work unit is set on it below)
     resolved = {
-        p: VaseConfig.resolve(p, buffer=config.buffer, compress_prompt=True, per_sequence=True, **config.policy_options)
+        p: VaseConfig.resolve(p, buffer=config.buffer, per_sequence=True, **config.policy_options)
         for p in config.policies
     }
     bar = tqdm(

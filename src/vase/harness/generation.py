@@ -211,7 +211,7 @@ def generate(
     sinks: int = 4,
     window: int | None = None,
     seed: int | Sequence[int] = 0,
-    compress_prompt: bool = True,
+    compress_prompt: bool | None = None,
     max_new_tokens: int = 512,
     min_new_tokens: int = 0,
     temperature: float = 0.0,
@@ -274,7 +274,7 @@ def generate(
     else:
         given = (policy, budget, compression_ratio, buffer, sinks, window, compress_prompt, compile)
         given += (byte_ratio, memory_budget)
-        if policy_options or given != ("vase", None, None, 64, 4, None, True, False, None, None):
+        if policy_options or given != ("vase", None, None, 64, 4, None, None, False, None, None):
             raise ValueError("give either config= or the policy and size arguments, not both")
         check_decoding(max_new_tokens, min_new_tokens, temperature, top_p, top_k)
     compile = config.compile
