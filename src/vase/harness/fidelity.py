@@ -354,9 +354,12 @@ def run_notes(config: FidelityConfig, configs: dict, plan: list[tuple]) -> list[
             if asked is not None and sum(measured) / len(measured) < 0.95 * asked:
                 what = f"ratio {value:g}x" if kind == "ratio" else f"{group} at byte ratio {value:g}x"
                 scale = 1.0 if kind == "ratio" else value / asked
+                lo, hi = min(measured) * scale, max(measured) * scale
+                got = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+                n = len(rows)
                 notes.append(
-                    f"{what} asked, {min(measured) * scale:.2f}-{max(measured) * scale:.2f}x measured over {len(rows)} "
-                    f"sources ({span}: at least sinks + buffer + 1 = {4 + config.buffer + 1} tokens"
+                    f"{what} asked, {got} measured over {n} source{'s' if n != 1 else ''} "
+                    f"({span}: at least sinks + buffer + 1 = {4 + config.buffer + 1} tokens"
                     + (", rounded to the buffer for the published preset" if config.has_published else "")
                     + "); records and reports give the compression measured"
                 )
