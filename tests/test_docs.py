@@ -23,7 +23,7 @@ def anchors(path: Path) -> set[str]:
             fenced = not fenced
         if fenced or not re.match(r"#{1,6} ", line):
             continue
-        text = re.sub(r"[`*_]", "", line.lstrip("#").strip()).lower()
+        text = re.sub(r"[`*]", "", line.lstrip("#").strip()).lower()
         slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
         n = seen.get(slug, 0)
         seen[slug] = n + 1
