@@ -3,7 +3,7 @@ reference for quantization alone.
 
 Usage::
 
-    pip install optimum-quanto          # 0.2.7 installs with the pinned torch 2.13.0 (no other torch pulled)
+    .venv/bin/pip install -e '.[quanto]'   # optimum-quanto 0.2.7, with the pinned torch 2.13.0 (no other torch)
     python benchmarks/hf_quantized_fidelity.py runs/kvq-text --nbits 4,2 --group 32
 
 For each source of ``RUN/sources.jsonl`` (and the model, dtype, buffer and bucket of ``RUN/config.json``), it replays

@@ -151,16 +151,63 @@ def goal(runs: dict[str, Path], ratios: list[float]) -> list[str]:
     return lines + [""]
 
 
+def summary(runs: dict[str, Path], ratios: list[float]) -> list[str]:
+    """One table for all labels: mean KL ± s.e. per configuration at each ratio of ``ratios`` over the sources every
+    configuration of the label has run on (their number in the header); quantize-only configurations at their own
+    compression, whatever the column."""
+    loaded = {}
+    for label, run in runs.items():  # the sources every configuration has run on (an interrupted run: fewer)
+        sized, whole = load(run)
+        done = set.intersection(*(set(recs) for recs in [*sized.values(), *whole.values()]))
+        loaded[label] = (
+            {k: {s: r for s, r in recs.items() if s in done} for k, recs in sized.items()},
+            {k: {s: r for s, r in recs.items() if s in done} for k, recs in whole.items()},
+        )
+    heads, cols = [], []
+    for label, (sized, _) in loaded.items():
+        n = len({s for recs in sized.values() for s in recs})
+        for r in ratios:
+            heads.append(f"{label} {r:g}x ({n})")
+            cols.append((label, r))
+    policies = sorted(
+        {p for sized, whole in loaded.values() for p in [*whole, *(p for p, _ in sized)]},
+        key=lambda p: (["evict-only", "quantize-only", "evict + quantize"].index(kind(p)), p),
+    )
+    lines = ["| kind | configuration | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    for pol in policies:
+        cells = []
+        for label, r in cols:
+            sized, whole = loaded[label]
+            recs = whole.get(pol) if kind(pol) == "quantize-only" else sized.get((pol, r))
+            if not recs:
+                cells.append("—")
+                continue
+            m, se = _kl(recs)
+            own = f" (at {_own(recs):.1f}x)" if kind(pol) == "quantize-only" else ""
+            cells.append(f"{kl_text(m)} ± {kl_text(se)}{own}")
+        lines.append(f"| {kind(pol)} | `{pol}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _pd(d) -> str:
     return "—" if d is None else f"{kl_text(d.mean, signed=True)} ± {kl_text(d.se)} ({d.lower}/{d.n})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="label=dir")
+    ap.add_argument("runs", nargs="+", help="label=dir, or dir (labelled by its name)")
     ap.add_argument("--ratios", default="8,16", help="byte ratios of the goal check")
+    ap.add_argument("--summary", action="store_true", help="only one table of every label at --ratios")
     args = ap.parse_args()
-    runs = {a.split("=", 1)[0]: Path(a.split("=", 1)[1]) for a in args.runs}
+    runs = {}
+    for a in args.runs:
+        label, _, folder = a.rpartition("=") if "=" in a else (Path(a).name, "", a)
+        if not (Path(folder) / "fidelity.jsonl").exists():
+            raise SystemExit(f"{folder}: no fidelity.jsonl there (a folder written by vase fidelity --byte-ratios)")
+        runs[label] = Path(folder)
+    if args.summary:
+        print("\n".join(summary(runs, [float(x) for x in args.ratios.split(",")])))
+        return
     out = []
     for label, run in runs.items():
         out += tables(label, run)
