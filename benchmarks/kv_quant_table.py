@@ -154,7 +154,8 @@ def goal(runs: dict[str, Path], ratios: list[float]) -> list[str]:
 def summary(runs: dict[str, Path], ratios: list[float]) -> list[str]:
     """One table for all labels: mean KL ± s.e. per configuration at each ratio of ``ratios`` over the sources every
     configuration of the label has run on (their number in the header); quantize-only configurations at their own
-    compression, whatever the column."""
+    compression, whatever the column; with planted value outliers, the share of planted entries kept and held
+    unquantized."""
     loaded = {}
     for label, run in runs.items():  # the sources every configuration has run on (an interrupted run: fewer)
         sized, whole = load(run)
@@ -184,9 +185,22 @@ def summary(runs: dict[str, Path], ratios: list[float]) -> list[str]:
                 continue
             m, se = _kl(recs)
             own = f" (at {_own(recs):.1f}x)" if kind(pol) == "quantize-only" else ""
-            cells.append(f"{kl_text(m)} ± {kl_text(se)}{own}")
+            cells.append(f"{kl_text(m)} ± {kl_text(se)}{own}{_planted(recs)}")
         lines.append(f"| {kind(pol)} | `{pol}` | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _planted(recs: dict) -> str:
+    """With planted value outliers: the mean share of planted entries kept at the end, and of those held unquantized
+    (the records' ``planted_kept`` and ``planted_full_precision``), or ``""``."""
+    if next(iter(recs.values())).get("planted_kept") is None:
+        return ""
+    kept = statistics.mean(r["planted_kept"] for r in recs.values())
+    text = f"; planted kept {100 * kept:.0f}%"
+    fps = [r["planted_full_precision"] for r in recs.values() if r.get("planted_full_precision") is not None]
+    if fps:  # of the planted entries held: none held gives None
+        text += f", {100 * statistics.mean(fps):.0f}% of those unquantized"
+    return text
 
 
 def _pd(d) -> str:

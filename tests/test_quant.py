@@ -418,3 +418,15 @@ def test_fidelity_at_equal_bytes(tmp_path):
     assert by[(src, "vase", 4.0)]["kept_compression"] == 4.0
     report = write_report(tmp_path / "run", tmp_path / "report").read_text()
     assert "4x bytes (budget" in report and "8x bytes (budget" in report
+
+    # interrupted after the first size: resuming writes the missing sizes, the quantized full cache's included
+    # (its budget is the source's length at every byte ratio, so the size, not the budget, says what is done)
+    path = tmp_path / "run" / "fidelity.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("".join(x + "\n" for x in lines if json.loads(x)["byte_ratio"] == 4.0))
+    again = [json.loads(x) for x in run_fidelity(cfg, tmp_path / "run", progress=False, lm=lm).read_text().splitlines()]
+    assert len(again) == len(recs)
+    redone = {(r["source"], r["policy"], r["byte_ratio"]): r for r in again}
+    assert redone.keys() == by.keys()
+    for key, r in by.items():
+        assert redone[key]["kl_mean"] == r["kl_mean"] and redone[key]["budget"] == r["budget"], key

@@ -370,6 +370,17 @@ def run_notes(config: FidelityConfig, configs: dict, plan: list[tuple]) -> list[
     return notes
 
 
+def record_size(rec: dict) -> tuple[str, float]:
+    """The size a fidelity record was replayed at: ``("bytes", byte ratio)``, ``("ratio", ratio)`` or ``("budget",
+    tokens)``. Resuming keys on it (with source and policy), not on the budget: a quantized policy that never evicts
+    has the source's length as its budget at every byte ratio."""
+    if rec.get("byte_ratio") is not None:
+        return ("bytes", float(rec["byte_ratio"]))
+    if rec.get("ratio") is not None:
+        return ("ratio", float(rec["ratio"]))
+    return ("budget", float(rec["budget"]))
+
+
 def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progress: bool = True, lm=None) -> Path:
     """Run (or resume) a fidelity sweep into ``out/fidelity.jsonl``; returns that path.
 
@@ -404,14 +415,14 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
     if len(sources) < config.prompts:
         sources = build_sources(config, lm, progress, path=src_path)
     path = out / RECORDS
-    done = {(r["source"], r["policy"], r["budget"]) for r in read_records(path)}
+    done = {(r["source"], r["policy"], record_size(r)) for r in read_records(path)}
     plant = bool(config.plant_layers) and config.plant_tokens > 0
     sizes = [("ratio", r) for r in config.ratios] + [("budget", float(b)) for b in config.budgets]
     sizes += [("bytes", r) for r in config.byte_ratios]
     plan = [(s, kind, value, policy_budgets(config, configs, s, kind, value)) for s in sources for kind, value in sizes]
     for note in run_notes(config, configs, plan):
         warn(note)
-    todo_of = [[p for p in config.policies if (s["id"], p, budgets[p]) not in done] for s, _, _, budgets in plan]
+    todo_of = [[p for p in config.policies if (s["id"], p, (k, v)) not in done] for s, k, v, _ in plan]
     total = len(plan) * len(config.policies)  # this run's replays: records of other policies in the file not counted
     initial = total - sum(map(len, todo_of))
     bar = tqdm(total=total, initial=initial, desc="fidelity", unit="replay", disable=not progress, dynamic_ncols=True)
