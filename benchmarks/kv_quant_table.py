@@ -13,8 +13,9 @@ compression is their own, given once) and evict + quantize, with the budgets and
 (``memory_compression``, the recent buffer and everything else included). Then, at each ratio of ``--ratios`` and
 each label: the best evict-only configuration, the best quantize-only configuration whose own compression reaches
 the ratio (none may), and each evict + quantize configuration's paired difference to both (mean over the same sources
-± standard error, and on how many sources it is lower); finally the configurations below both everywhere. Prints
-markdown.
+± standard error, and on how many sources it is lower); the configurations below both everywhere; finally each
+``protect_precision=guard`` configuration against the same without it (paired). ``--summary``: one table of every
+label; ``--protect``: only the last table. Prints markdown.
 """
 
 from __future__ import annotations
@@ -151,6 +152,56 @@ def goal(runs: dict[str, Path], ratios: list[float]) -> list[str]:
     return lines + [""]
 
 
+def unprotected(policy: str) -> str:
+    """The configuration a ``protect_precision=guard`` one is compared with: the same without the guard options
+    (``guard=``, ``protect_share=``, ``protect_precision=``; for ``vase`` its default guard and share)."""
+    drop = ("guard=", "protect_share=", "protect_precision=")
+    return ":".join(p for p in policy.split(":") if not p.startswith(drop))
+
+
+def protect(runs: dict[str, Path], ratios: list[float]) -> list[str]:
+    """Does keeping the guard's entries unquantized pay? Per label, each ``protect_precision=guard`` configuration's
+    paired KL difference to the same without it (:func:`unprotected`), at each ratio of ``ratios`` (at its own
+    compression for quantize-only), with on how many sources it is lower."""
+    heads, cells = [], {}
+    for label, run in runs.items():
+        sized, whole = load(run)
+        for r in ratios:
+            heads.append(f"{label} {r:g}x")
+            for (p, x), recs in sized.items():
+                if x == r and "protect_precision=guard" in p and (unprotected(p), r) in sized:
+                    cells.setdefault(p, {})[heads[-1]] = _vs(recs, sized[(unprotected(p), r)])
+            for p, recs in whole.items():
+                if "protect_precision=guard" in p and unprotected(p) in whole:
+                    cells.setdefault(p, {})[heads[-1]] = _vs(recs, whole[unprotected(p)])
+    lines = [
+        "Keeping the guard's entries unquantized: KL with `protect_precision=guard` minus KL without (paired over "
+        "the sources ± s.e.; on how many it is lower; the median over the sources of KL with / KL without)",
+        "",
+        "| configuration | compared with | " + " | ".join(heads) + " |",
+        "|---|---|" + "---|" * len(heads),
+    ]
+    for p in sorted(cells, key=lambda p: (kind(p), p)):
+        row = [cells[p].get(h, "—") for h in heads]
+        lines.append(f"| `{p}` | `{unprotected(p)}` | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def _vs(mine: dict, ref: dict) -> str:
+    """Paired difference of mean KL (:func:`_pd`) and the median per-source ratio ``mine / ref``: robust to one
+    source where everything fails."""
+    a, b = _by_source(mine), _by_source(ref)
+    ratios = [a[k] / b[k] for k in sorted(set(a) & set(b)) if b[k] > 0]
+    d = paired_diff(a, b)
+    if d is None or not ratios:
+        return "—"
+    return f"{kl_text(d.mean, signed=True)} ± {kl_text(d.se)} ({d.lower}/{d.n}; ×{statistics.median(ratios):.2f})"
+
+
+def _by_source(recs: dict) -> dict[str, float]:
+    return {k: v["kl_mean"] for k, v in recs.items()}
+
+
 def summary(runs: dict[str, Path], ratios: list[float]) -> list[str]:
     """One table for all labels: mean KL ± s.e. per configuration at each ratio of ``ratios`` over the sources every
     configuration of the label has run on (their number in the header); quantize-only configurations at their own
@@ -212,6 +263,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="label=dir, or dir (labelled by its name)")
     ap.add_argument("--ratios", default="8,16", help="byte ratios of the goal check")
     ap.add_argument("--summary", action="store_true", help="only one table of every label at --ratios")
+    ap.add_argument("--protect", action="store_true", help="only the protect_precision=guard paired differences")
     args = ap.parse_args()
     runs = {}
     for a in args.runs:
@@ -222,10 +274,14 @@ def main() -> None:
     if args.summary:
         print("\n".join(summary(runs, [float(x) for x in args.ratios.split(",")])))
         return
+    if args.protect:
+        print("\n".join(protect(runs, [float(x) for x in args.ratios.split(",")])))
+        return
     out = []
     for label, run in runs.items():
         out += tables(label, run)
     out += goal(runs, [float(x) for x in args.ratios.split(",")])
+    out += protect(runs, [float(x) for x in args.ratios.split(",")])
     print("\n".join(out))
 
 
