@@ -430,3 +430,54 @@ def test_fidelity_at_equal_bytes(tmp_path):
     assert redone.keys() == by.keys()
     for key, r in by.items():
         assert redone[key]["kl_mean"] == r["kl_mean"] and redone[key]["budget"] == r["budget"], key
+
+
+def test_kv_quant_table_answers_from_the_records(tmp_path):
+    """benchmarks/kv_quant_table.py on hand-made records: the summary's means, the goal check's winners (a
+    quantize-only configuration qualifies only at its own compression), the protect table's paired differences and
+    median ratios."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kv_quant_table", Path(__file__).parents[1] / "benchmarks" / "kv_quant_table.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pp = "vase:kv_bits=4:protect_precision=guard:protect_share=0.05"
+    kls = {  # policy -> KL per source (3 sources), at byte ratio 8
+        "vase": [0.10, 0.20, 0.30],
+        "vase:kv_bits=4": [0.010, 0.020, 0.030],
+        pp: [0.005, 0.030, 0.015],
+    }
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [
+        {"source": f"s{i}", "policy": p, "budget": 100, "byte_ratio": 8.0, "kl_mean": kl, "memory_compression": 6.5}
+        for p, v in kls.items()
+        for i, kl in enumerate(v)
+    ]
+    recs += [  # quantize-only at 6.4x: does not reach 8x
+        {
+            "source": f"s{i}",
+            "policy": "full:kv_bits=4",
+            "budget": 1000,
+            "byte_ratio": 8.0,
+            "kl_mean": 0.001,
+            "kept_compression": 6.4,
+            "memory_compression": 5.3,
+        }
+        for i in range(3)
+    ]
+    (run / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = "\n".join(mod.summary({"T": run}, [8.0]))
+    assert "| evict-only | `vase` | 0.2000 ± 0.0577 |" in summary
+    assert "| quantize-only | `full:kv_bits=4` | 0.0010 ± 0.0000 (at 6.4x) |" in summary
+    goal = "\n".join(mod.goal({"T": run}, [8.0]))
+    assert "best quantize-only none keeps every token at this ratio" in goal
+    assert f"every cell above: `vase:kv_bits=4`, `{pp}`" in goal
+    assert "| `vase:kv_bits=4` | 0.0200 | -0.1800 ± 0.0520 (3/3) | — |" in goal
+    protect = "\n".join(mod.protect({"T": run}, [8.0]))
+    # differences -0.005, +0.010, -0.015: mean -0.0033, lower on 2 of 3; ratios 0.5, 1.5, 0.5 -> median 0.5
+    assert f"| `{pp}` | `vase:kv_bits=4` | -0.0033 ± 0.0073 (2/3; ×0.50) |" in protect
