@@ -202,11 +202,11 @@ def _by_source(recs: dict) -> dict[str, float]:
     return {k: v["kl_mean"] for k, v in recs.items()}
 
 
-def summary(runs: dict[str, Path], ratios: list[float]) -> list[str]:
+def summary(runs: dict[str, Path], ratios: list[float], median: bool = False) -> list[str]:
     """One table for all labels: mean KL ± s.e. per configuration at each ratio of ``ratios`` over the sources every
     configuration of the label has run on (their number in the header); quantize-only configurations at their own
     compression, whatever the column; with planted value outliers, the share of planted entries kept and held
-    unquantized."""
+    unquantized. ``median``: the median KL over the sources instead (robust to one source where everything fails)."""
     loaded = {}
     for label, run in runs.items():  # the sources every configuration has run on (an interrupted run: fewer)
         sized, whole = load(run)
@@ -234,8 +234,11 @@ def summary(runs: dict[str, Path], ratios: list[float]) -> list[str]:
             if not recs:
                 cells.append("—")
                 continue
-            m, se = _kl(recs)
             own = f" (at {_own(recs):.1f}x)" if kind(pol) == "quantize-only" else ""
+            if median:
+                cells.append(f"{kl_text(statistics.median(r['kl_mean'] for r in recs.values()))}{own}")
+                continue
+            m, se = _kl(recs)
             cells.append(f"{kl_text(m)} ± {kl_text(se)}{own}{_planted(recs)}")
         lines.append(f"| {kind(pol)} | `{pol}` | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -263,6 +266,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="label=dir, or dir (labelled by its name)")
     ap.add_argument("--ratios", default="8,16", help="byte ratios of the goal check")
     ap.add_argument("--summary", action="store_true", help="only one table of every label at --ratios")
+    ap.add_argument("--median", action="store_true", help="with --summary: median KL over the sources, not mean ± s.e.")
     ap.add_argument("--protect", action="store_true", help="only the protect_precision=guard paired differences")
     args = ap.parse_args()
     runs = {}
@@ -272,7 +276,7 @@ def main() -> None:
             raise SystemExit(f"{folder}: no fidelity.jsonl there (a folder written by vase fidelity --byte-ratios)")
         runs[label] = Path(folder)
     if args.summary:
-        print("\n".join(summary(runs, [float(x) for x in args.ratios.split(",")])))
+        print("\n".join(summary(runs, [float(x) for x in args.ratios.split(",")], median=args.median)))
         return
     if args.protect:
         print("\n".join(protect(runs, [float(x) for x in args.ratios.split(",")])))
