@@ -474,6 +474,7 @@ def test_kv_quant_table_answers_from_the_records(tmp_path):
     summary = "\n".join(mod.summary({"T": run}, [8.0]))
     assert "| evict-only | `vase` | 0.2000 ± 0.0577 |" in summary
     assert "| quantize-only | `full:kv_bits=4` | 0.0010 ± 0.0000 (at 6.4x) |" in summary
+    assert f"| evict + quantize | `{pp}` | 0.0150 |" in "\n".join(mod.summary({"T": run}, [8.0], median=True))
     goal = "\n".join(mod.goal({"T": run}, [8.0]))
     assert "best quantize-only none keeps every token at this ratio" in goal
     assert f"every cell above: `vase:kv_bits=4`, `{pp}`" in goal
