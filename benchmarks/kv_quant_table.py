@@ -21,17 +21,20 @@ label; ``--protect``: only the last table. Prints markdown.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
 
-from vase.harness.stats import kl_text, paired_diff
+from vase.harness.stats import kl_text, mean_se, paired_diff
 
 
+@functools.cache
 def load(run: Path) -> tuple[dict, dict]:
     """``({(policy, byte ratio): {source: record}}, {policy: {source: record}})``: the byte-ratio records of the run,
     and its records of policies that keep every token (quantize-only: ``full`` with ``kv_bits``, and the
-    ``QuantizedCache`` records of ``hf_quantized.jsonl``), whose results do not depend on the ratio."""
+    ``QuantizedCache`` records of ``hf_quantized.jsonl``), whose results do not depend on the ratio. Read once per
+    run folder (cached; the tables only read the dicts)."""
     sized: dict = {}
     whole: dict = {}
     for name in ("fidelity.jsonl", "hf_quantized.jsonl"):
@@ -52,9 +55,7 @@ def load(run: Path) -> tuple[dict, dict]:
 
 
 def _kl(recs: dict) -> tuple[float, float]:
-    vals = [r["kl_mean"] for r in recs.values()]
-    se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan")
-    return statistics.mean(vals), se
+    return mean_se(r["kl_mean"] for r in recs.values())
 
 
 def _own(recs: dict) -> float:
@@ -129,17 +130,8 @@ def goal(runs: dict[str, Path], ratios: list[float]) -> list[str]:
             ]
             for p in sorted(both, key=lambda p: _kl(both[p])[0]):
                 m = _kl(both[p])[0]
-                de = paired_diff(
-                    {k: v["kl_mean"] for k, v in both[p].items()}, {k: v["kl_mean"] for k, v in evict[best_e].items()}
-                )
-                dq = (
-                    paired_diff(
-                        {k: v["kl_mean"] for k, v in both[p].items()},
-                        {k: v["kl_mean"] for k, v in quant[best_q].items()},
-                    )
-                    if best_q
-                    else None
-                )
+                de = paired_diff(_by_source(both[p]), _by_source(evict[best_e]))
+                dq = paired_diff(_by_source(both[p]), _by_source(quant[best_q])) if best_q else None
                 ok = m < _kl(evict[best_e])[0] and (best_q is None or m < _kl(quant[best_q])[0])
                 below_all[p] = below_all.get(p, True) and ok
                 lines.append(f"| `{p}` | {kl_text(m)} | {_pd(de)} | {_pd(dq) if dq else '—'} |")
