@@ -155,8 +155,13 @@ def test_static_path_uncompiled_matches_and_buffers_stay():
     ref = generate(model, plain, ids, mask, 100)
     layer = static.layers[0]
     out = generate(model, static, ids, mask, 100)
-    ptrs = (layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr(), static._fill_t.data_ptr())
-    assert static._decode_ok and static.is_compileable and not plain.is_compileable
+    ptrs = (
+        layer.keys.data_ptr(),
+        layer.values.data_ptr(),
+        layer.positions.data_ptr(),
+        static.compiled.fill_t.data_ptr(),
+    )
+    assert static.compiled.decode_ok and static.is_compileable and not plain.is_compileable
     assert torch.equal(ref, out)
     same_stats(plain, static)
     for a, b in zip(plain.layers, static.layers):
@@ -174,7 +179,7 @@ def test_static_path_uncompiled_matches_and_buffers_stay():
         layer.keys.data_ptr(),
         layer.values.data_ptr(),
         layer.positions.data_ptr(),
-        static._fill_t.data_ptr(),
+        static.compiled.fill_t.data_ptr(),
     )
     same_stats(plain, static)
 

@@ -14,8 +14,8 @@ import vase
 from vase.core import quant
 from vase.core.config import VaseConfig
 from vase.harness.fidelity import replay
-from vase.hf.layer import EvictingLayer
-from vase.hf.quantized import QuantizedLayer
+from vase.hf.quantized import QuantizedStorage
+from vase.hf.storage import DenseStorage
 
 from .conftest import random_ids, tiny_model
 from .test_ragged import CONTINUATIONS, PROMPTS, SEEDS, STEPS, run_phases
@@ -172,7 +172,7 @@ def test_kv_bits_none_is_the_unquantized_cache():
     prompt = random_ids(30, seed=3)
     a = vase.EvictingCache(model, policy="vase", budget=16, buffer=8)
     b = vase.EvictingCache(model, policy="vase:kv_bits=none", budget=16, buffer=8)
-    assert type(b.layers[0]) is EvictingLayer and b.kv_bits is None
+    assert type(b.layers[0].storage) is DenseStorage and b.kv_bits is None
     assert _decode(model, a, prompt, 40) == _decode(model, b, prompt, 40)
     for la, lb in zip(a.layers, b.layers):
         for name in ("keys", "values", "positions"):
@@ -182,7 +182,7 @@ def test_kv_bits_none_is_the_unquantized_cache():
     assert a.stats().line() == b.stats().line()
 
 
-STORE_NAMES = ("kq", "ks", "kz", "vq", "vs", "vz", "kf", "fp_k", "fp_v", "qmask", "protected", "positions")
+STORE_NAMES = ("kq", "ks", "kz", "vq", "vs", "vz", "kf", "fp_k", "fp_v", "qmask", "protected")
 
 
 @pytest.mark.parametrize(
@@ -196,13 +196,13 @@ def test_static_stores_and_bytes_held(spec):
     budget, buffer = 16, 8
     cache = vase.EvictingCache(model, policy=spec + f":kv_group={GROUP}", budget=budget, buffer=buffer)
     _decode(model, cache, random_ids(20, seed=4), 1)
-    addresses = [[getattr(layer, n).data_ptr() for n in STORE_NAMES] for layer in cache.layers]
-    ws = [t.data_ptr() for t in cache._workspace]
+    addresses = [[getattr(layer.storage, n).data_ptr() for n in STORE_NAMES] for layer in cache.layers]
+    ws = [t.data_ptr() for t in cache.workspace.tensors]
     _decode(model, cache, random_ids(5, seed=5), 120)
     st = cache.stats()
     assert st.evictions >= 14
-    assert [[getattr(layer, n).data_ptr() for n in STORE_NAMES] for layer in cache.layers] == addresses
-    assert [t.data_ptr() for t in cache._workspace] == ws
+    assert [[getattr(layer.storage, n).data_ptr() for n in STORE_NAMES] for layer in cache.layers] == addresses
+    assert [t.data_ptr() for t in cache.workspace.tensors] == ws
     bits = cache.kv_bits
     b, h, d, e = 1, 2, 16, 4
     lim = budget  # L = capacity - buffer = budget
@@ -251,17 +251,19 @@ def test_guard_entries_bit_exact_and_codes_never_drift():
                 for h in range(2):
                     for s in range(cache.fill[0]):
                         key = (h, int(pos[h, s]))
-                        if s < cache._qlimit[0] and bool(layer.qmask[0, h, s]):
+                        if s < cache.seq.schedule.qlimit[0] and bool(layer.storage.qmask[0, h, s]):
                             if key in seen:
                                 assert torch.equal(seen[key], values[0, h, s]), f"entry {key} drifted at step {t}"
                             seen[key] = values[0, h, s].clone()
                 for h in range(2):
-                    prot = set(layer.protected[0, h].tolist())
+                    prot = set(layer.storage.protected[0, h].tolist())
                     for p in planted:
                         at = (pos[h] == p).nonzero().flatten().tolist()
-                        if at and at[0] < cache._qlimit[0]:  # held and past the recent window: kept in full precision
+                        if (
+                            at and at[0] < cache.seq.schedule.qlimit[0]
+                        ):  # held and past the recent window: kept in full precision
                             checked += 1
-                            assert at[0] in prot and not bool(layer.qmask[0, h, at[0]]), (t, h, p)
+                            assert at[0] in prot and not bool(layer.storage.qmask[0, h, at[0]]), (t, h, p)
                             assert torch.equal(values[0, h, at[0]], ref_v[h, p]), (t, h, p)
                             assert torch.equal(keys[0, h, at[0]], ref_k[h, p]), (t, h, p)
         assert cache.stats().evictions >= 10 and len(seen) > 50 and checked > 100
@@ -285,8 +287,8 @@ def _quant_snapshot(cache) -> list[dict]:
                     "positions": layer.positions[r, :, :f].clone(),
                     "keys": keys[r, :, :f],
                     "values": values[r, :, :f],
-                    "qmask": layer.qmask[r, :, : min(f, layer.qmask.shape[2])].clone(),
-                    "qlimit": cache._qlimit[r],
+                    "qmask": layer.storage.qmask[r, :, : min(f, layer.storage.qmask.shape[2])].clone(),
+                    "qlimit": cache.seq.schedule.qlimit[r],
                 }
             )
         rows.append({"fill": f, "layers": layers})
@@ -326,7 +328,7 @@ def test_ragged_rows_equal_rows_alone(spec, attn):
             assert torch.equal(a["qmask"], b["qmask"])
             for name in ("keys", "values"):
                 _close_up_to_one_code(a[name], b[name], levels)
-    assert max(cache._qlimit) > 0
+    assert max(cache.seq.schedule.qlimit) > 0
 
 
 def _close_up_to_one_code(a: torch.Tensor, b: torch.Tensor, levels: int) -> None:
@@ -356,7 +358,9 @@ def test_replay_chunks_equal_token_by_token(spec):
         for t in cont[:-1]:
             out.append(torch.log_softmax(model(input_ids=t.view(1, 1), cache=cache).logits[0, -1:], -1))
     torch.testing.assert_close(chunked, torch.cat(out), atol=2e-4, rtol=1e-4)
-    assert cache._qlimit[0] == (24 if cfg.policy.evicts else 88) and cache.fill[0] == (26 if cfg.policy.evicts else 90)
+    assert cache.seq.schedule.qlimit[0] == (24 if cfg.policy.evicts else 88) and cache.fill[0] == (
+        26 if cfg.policy.evicts else 90
+    )
 
 
 def test_full_quantizes_in_blocks_of_buffer():
@@ -365,9 +369,13 @@ def test_full_quantizes_in_blocks_of_buffer():
     cache = vase.EvictingCache(model, policy=f"full:kv_bits=4:kv_group={GROUP}", budget=32, buffer=8)
     _decode(model, cache, random_ids(13, seed=2), 60)
     assert cache.fill[0] == 73 and cache.stats().evictions == 0  # the prompt and 60 decode steps
-    assert cache._qlimit[0] == 72 and cache.room() == [7]
+    assert cache.seq.schedule.qlimit[0] == 72 and cache.room() == [7]
     layer = cache.layers[0]
-    assert type(layer) is QuantizedLayer and bool(layer.qmask[0, :, :72].all()) and not layer.qmask[0, :, 72:].any()
+    assert (
+        type(layer.storage) is QuantizedStorage
+        and bool(layer.storage.qmask[0, :, :72].all())
+        and not layer.storage.qmask[0, :, 72:].any()
+    )
 
 
 def test_fidelity_at_equal_bytes(tmp_path):

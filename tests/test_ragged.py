@@ -197,7 +197,7 @@ def test_every_scorer_state_survives_partial_compaction(attn):
     # A slot's count is at most the evictions its row had; free slots hold no state.
     for layer in cache.layers:
         for r, f in enumerate(cache.fill):
-            assert float(layer.state["seen"][r, :, :f].max()) <= cache._row_evictions[r]
+            assert float(layer.state["seen"][r, :, :f].max()) <= cache.seq.schedule.evictions[r]
             assert bool((layer.state["seen"][r, :, f:] == 0).all())
     # the whole batch compacting together (all rows the same length) takes the whole-batch paths
     check_ragged_equals_alone(model, policy, prompts=(30, 30), continuations=(12, 12), steps=(10, 4))

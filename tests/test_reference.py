@@ -355,7 +355,7 @@ def run_against_reference(spec: str, prompt: int, steps: int, budget: int = 128,
                         layouts[(layer.layer_idx, b, h)] = pos[pos >= 0].tolist()
             for _ in range(steps):
                 nxt = logits[:, -1:].argmax(-1)
-                before = list(cache._row_evictions)
+                before = list(cache.seq.schedule.evictions)
                 logits = model(input_ids=nxt, cache=cache).logits
                 held.append(cache.fill[0])
                 for layer in cache.layers:

@@ -132,10 +132,10 @@ def test_worker_state_rows_seeds_and_limits():
     ws.admit("b", SimpleNamespace(extra_args=None, seed=9), prompt_tokens=10)
     ws.admit("c", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=10)
     assert [ws.seed_of(r) for r in "abc"] == [rng.row_key(5), rng.row_key(9), rng.row_key(0)]
-    assert ws.limit[ws.row_of["a"]] == 96 + 16 and ws.limit[ws.row_of["b"]] == 64 + 16
+    assert ws.limit_of("a") == 96 + 16 and ws.limit_of("b") == 64 + 16
     for k in range(30):  # grows past its first 16 rows
         ws.admit(f"x{k}", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=1)
-    assert ws.capacity == 40 and ws.positions.shape[1] == 40 and len(ws.row_of) == 33
+    assert ws.capacity == 40 and ws.seq.tables.positions[0].shape[0] == 40 and len(ws.row_of) == 33
     ws.release("a")
     ws.admit("d", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=1)
     assert len(set(ws.row_of.values())) == len(ws.row_of) == 33

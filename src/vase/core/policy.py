@@ -147,6 +147,11 @@ class Policy:
         return self.scorer.state_names if self.scorer is not None else ()
 
     @property
+    def memo_names(self) -> dict[str, int]:
+        """Per-row memo the scorer keeps between evictions, with initial values (H2O: ``acc_upto``, -1)."""
+        return dict(self.scorer.memo_names) if self.scorer is not None else {}
+
+    @property
     def adaptive_budgets(self) -> bool:
         """Whether heads or layers keep different counts (``head_budget='adakv'`` or ``layer_budget='pyramid'``).
 

@@ -103,10 +103,13 @@ class EvictionContext:
 
 
 class Scorer:
-    """Base class. ``window`` is how many recent queries the scorer needs saved (0: none)."""
+    """Base class. ``window`` is how many recent queries the scorer needs saved (0: none); ``state_names`` the
+    per-slot state it keeps (moved with each token); ``memo_names`` the per-row memo it keeps between evictions, as
+    ``(name, initial value)`` pairs (the integrations allocate both from these names: :mod:`vase.core.tables`)."""
 
     window: int = 0
     state_names: tuple[str, ...] = ()
+    memo_names: tuple[tuple[str, int], ...] = ()
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
         """Scores ``[b, H, S]`` float32 for every slot of ``ctx`` (only candidates are used); higher = keep."""
@@ -363,6 +366,7 @@ class AccumulatedAttention(Scorer):
     """
 
     state_names = ("acc",)
+    memo_names = (("acc_upto", -1),)  # the newest query accumulated so far (-1: none yet)
 
     def __init__(self, window: int = 64, value_weight: str = "none"):
         if value_weight not in VALUE_WEIGHTS:

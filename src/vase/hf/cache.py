@@ -3,9 +3,11 @@
 Per layer, keys and values live in buffers ``[batch, kv_heads, budget + buffer, head_dim]`` allocated once, in the
 model's dtype and on its device; they never move or grow while generating (VaSE, arXiv 2606.03928, Sec. 3.3).
 
-The parts, one module each: the layers' slot storage and compaction (:mod:`vase.hf.layer`, choosing through the
-eviction core :func:`vase.core.evict.evict_layer`), the saved queries (:mod:`vase.hf.queries`), the eviction schedule
-(:mod:`vase.hf.schedule`), the compiled-decode path (:mod:`vase.hf.compiled`), the attention hooks and masks
+The cache is composed of parts, one module each: the sequence model it owns (:class:`vase.core.sequence.Sequences`:
+the schedule, the row tables of every held slot, the saved queries, the eviction call), its forward passes
+(:mod:`vase.hf.forward`: checks, the plan of each step, :mod:`vase.hf.step`), its evicting layers
+(:mod:`vase.hf.layer`), each holding a storage strategy (:mod:`vase.hf.storage` dense, :mod:`vase.hf.quantized` with
+``kv_bits``), compiled decoding as one object (:mod:`vase.hf.compiled`), the attention hooks and masks
 (:mod:`vase.hf.attention`), the hybrid layers (:mod:`vase.hf.hybrid`) and the statistics (:mod:`vase.hf.stats`).
 
 Hybrid models (gpt-oss, Gemma 3, OLMo 3, Qwen3-Next, Qwen3.5): only the full-attention layers are evicting layers;
@@ -34,14 +36,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..core import budgets
 from ..core.config import DEFAULT_BUDGET, DEFAULT_BUFFER, DEFAULT_SINKS, VaseConfig, is_int
 from ..core.policy import Policy
+from ..core.sequence import Sequences
 from . import attention as attn
 from . import hybrid
-from .compiled import CompiledDecodeMixin, check_compileable
-from .layer import EvictingLayer
-from .quantized import QuantizedCacheMixin, QuantizedLayer
-from .schedule import ScheduleMixin
+from .compiled import CompiledDecode, check_compileable
+from .forward import ForwardPlanner
+from .layer import Counters, EvictingLayer
+from .quantized import QuantizedStorage, Workspace
 from .stats import CacheStats
-from .step import StepPlan
+from .storage import DenseStorage
 
 SUPPORTED_LAYER_TYPES = hybrid.EVICTING_LAYER_TYPES + hybrid.KEPT_LAYER_TYPES
 
@@ -55,7 +58,7 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be an int or a list of ints, got {seed!r}")
 
 
-class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cache):
+class EvictingCache(Cache):
     """A KV cache held at ``budget + buffer`` tokens per layer by an eviction policy.
 
     Example::
@@ -184,19 +187,18 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cac
         if self.policy.sparse is not None:
             self.policy.sparse.check(self.budget, self.sinks, attn.base_implementation(model))
         self.record_evictions = record_evictions
-        self.profile = profile
         # One entry per decoder layer: full-attention layers evict, the others (sliding window, linear attention) are
         # transformers' own layer classes, as in DynamicCache(config=...) (see vase.hf.hybrid).
         self._plan = hybrid.plan_layers(text_config)
-        self._evicting = [p.index for p in self._plan if p.evicts]
-        first = self._plan[self._evicting[0]]
+        self.evicting = [p.index for p in self._plan if p.evicts]
+        first = self._plan[self.evicting[0]]
         self.num_kv_heads, self.head_dim = first.kv_heads, first.head_dim
-        self.num_layers = len(self._evicting)  # evicting layers: a forward pass is done when all of them are
+        self.num_layers = len(self.evicting)  # evicting layers: a forward pass is done when all of them are
         # adaptive budgets (policy options head_budget / layer_budget): the budget of each evicting layer (by model
         # layer index; PyramidKV's depth runs over the evicting layers) and the physical slots per (layer, KV head)
         # for kept tokens; uniform: every layer keeps `budget` in `budget` slots
         per_layer, self.slots = config.layout(self.num_layers)
-        self.layer_budgets = dict(zip(self._evicting, per_layer))
+        self.layer_budgets = dict(zip(self.evicting, per_layer))
         self.adaptive = self.policy.adaptive_budgets
         self.adakv = self.adaptive and self.policy.options.get("head_budget") == "adakv"
         if self.adaptive:
@@ -207,87 +209,130 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cac
         if self.compileable:
             check_compileable(self.policy, self._plan, attn.base_implementation(model), max_cache_len)
         self._model_ref = weakref.ref(model)
-        kind = QuantizedLayer if self.kv_bits is not None else EvictingLayer
-        layers = [kind(self, p.index) if p.evicts else hybrid.kept_layer(p) for p in self._plan]
+        self.counters = Counters(profile=profile)
+        self.workspace = Workspace() if self.quantized else None
+        self.compiled = CompiledDecode(self) if self.compileable else None
+        self.forward = ForwardPlanner(self)
+        self.seq = self._new_sequences()
+        layers = [self._new_layer(p) for p in self._plan]
         super().__init__(layers=layers)
         attn.install(model)
-        self._clear()
 
-    def _clear(self) -> None:
-        self.batch: int | None = None
-        self.capacity: int | None = None
-        self._row_limit: list[int] = []
-        self._fill: list[int] = []
-        self._seen = 0
-        self._real: list[int] = []
-        self._row_evictions: list[int] = []
-        self._qlimit: list[int] = []  # kv_bits: each row's logical slots below which entries are stored quantized
-        self._workspace = None  # kv_bits: the shared dequantization workspace (vase.hf.quantized)
-        self._dequant_seconds = self._quant_seconds = 0.0
-        self._evictions = 0
-        self._tokens_evicted = 0
-        self._eviction_seconds = 0.0
-        self._protected: torch.Tensor | int = 0
-        self._row_keys: torch.Tensor | None = None
-        self._step: StepPlan | None = None
-        self._pending_mask: torch.Tensor | None = None
-        # compiled decoding (compileable=True): see "Compiled decoding" in the class docstring
-        self._decode_ok = False  # decode steps take the static path (compileable, after the first forward)
-        self._phase = "idle"  # 'planned' by prepare_decode, 'ran' after the step, 'idle' once flushed
-        self._static_step: StepPlan | None = None
-        self._static_forward = False
-        self._counters_synced = False
-        self._fill_t = self._real_t = self._seen_t = self._qnext_t = self._slot_ids = None
+    def _new_sequences(self) -> Sequences:
+        return Sequences(self.config, self.evicting, [self.layer_budgets[i] for i in self.evicting], self.slots)
+
+    def _new_layer(self, plan):
+        """An evicting layer (its storage: quantized with ``kv_bits``, else dense) or a kept transformers layer."""
+        if not plan.evicts:
+            return hybrid.kept_layer(plan)
+        if self.quantized:
+            storage = QuantizedStorage(self.config, self.layer_budgets[plan.index], self.seq.schedule, self.workspace)
+        else:
+            storage = DenseStorage()
+        layer = EvictingLayer(
+            self.seq, self.evicting.index(plan.index), plan.index, storage, self.get_seq_length, self.counters
+        )
+        layer.record = self.record_evictions
+        if self.compiled is not None:
+            self.compiled.attach(layer)
+        return layer
 
     def reset(self) -> None:
         """Empty the cache so it can be used again (any batch size) with the same model."""
-        for p in self._plan:
-            if p.evicts:
-                self.layers[p.index].reset()
-            else:  # transformers' reset zeroes a layer's tensors in place (same batch size): start afresh instead
-                self.layers[p.index] = hybrid.kept_layer(p)
-        self._clear()
+        self.forward.clear()
+        if self.compiled is not None:
+            self.compiled.clear()
+        self.counters.eviction_seconds, self.counters.protected = 0.0, 0
+        if self.workspace is not None:
+            self.workspace.__init__()
+        self.seq = self._new_sequences()
+        for p in self._plan:  # transformers' reset zeroes a layer's tensors in place (same batch size): start afresh
+            self.layers[p.index] = self._new_layer(p)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether kept entries are stored quantized (policy option ``kv_bits``)."""
+        return self.kv_bits is not None
+
+    @property
+    def batch(self) -> int | None:
+        """Rows of the batch the cache holds (None before the first forward)."""
+        return self.forward.batch
+
+    @property
+    def capacity(self) -> int | None:
+        """Slots allocated per row and evicting layer (None before the first forward)."""
+        return self.forward.capacity
+
+    def row_seeds(self, batch: int) -> list[int]:
+        """The eviction seed of each of ``batch`` rows: ``seed + row``, or the list given.
+
+        Raises:
+            ValueError: a list of seeds whose length is not the batch's.
+        """
+        seeds = list(self.seed) if isinstance(self.seed, (list, tuple)) else [self.seed + i for i in range(batch)]
+        if len(seeds) != batch:
+            raise ValueError(f"got {len(seeds)} seeds for a batch of {batch} rows: give one per row")
+        return seeds
 
     # ------------------------------------------------------------------------------------------ Cache protocol
+    def _begin_forward(self, model, batch: int, q: int, attention_mask: torch.Tensor | None) -> None:
+        """Called by vase's forward pre-hook before a forward pass (see :meth:`ForwardPlanner.begin`)."""
+        self.forward.begin(model, batch, q, attention_mask)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """The model's cache update for layer ``layer_idx``: an evicting layer (see :meth:`EvictingLayer.update`), or
-        a kept layer of a hybrid model, whose returned keys vase's attention function then passes through unchanged
-        with transformers' own mask."""
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        """The model's cache update for layer ``layer_idx``: an evicting layer writes the step's keys and values
+        (:meth:`EvictingLayer.write`) with the forward's plan, made at its first evicting layer; a kept layer of a
+        hybrid model is transformers' own, whose returned keys vase's attention function passes through unchanged
+        with transformers' own mask.
+
+        Raises:
+            ValueError: keys whose KV heads or head dim differ from the model's layer the cache was made for.
+        """
+        layer = self.layers[layer_idx]
         if not self._plan[layer_idx].evicts:
+            keys, values = layer.update(key_states, value_states, *args, **kwargs)
             attn.pass_through(keys)
-        return keys, values
+            return keys, values
+        if self.compiled is not None and self.compiled.in_step:
+            return self.compiled.update(layer, key_states, value_states)
+        self.forward.check_keys(layer_idx, key_states)
+        step = self.forward.plan(key_states.shape[0], key_states.shape[2], key_states.device)
+        return layer.write(step, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Logical length: tokens seen so far (padding columns included), as RoPE positions need (inside a compiled
         decode step: a 0-d int64 device tensor, so the graph does not depend on the value)."""
-        if torch.compiler.is_compiling() and self._decode_ok:
-            return self._seen_t
-        self._flush()
-        return self._seen
+        c = self.compiled
+        if c is not None:
+            if torch.compiler.is_compiling() and c.decode_ok:
+                return c.seen_t
+            c.flush()
+        return self.forward.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """Sizes of the mask transformers builds for ``layer_idx``: logical ones for an evicting layer (vase's attention
         function replaces that mask by its own over physical slots, so none is built), the layer's own for a kept
         sliding-window layer (its usual mask is built and used)."""
         evicts = not isinstance(self.layers[layer_idx], CacheLayerMixin) or self._plan[layer_idx].evicts
-        if self._decode_ok and query_length == 1:
+        c, seen = self.compiled, self.forward.seen
+        if c is not None and c.decode_ok and query_length == 1:
             if torch.compiler.is_compiling():  # inside a compiled step (a hand-written loop): no mask is built
                 attn.mask_for(True)
                 return self.capacity, 0
             if not attn.evicting_forward():
                 # transformers' mask creation before a compiled decode step (model.generate with a compileable
                 # cache): the eager part of the step runs now, and the mask handed to the graph is vase's own
-                self.prepare_decode()
-                attn.mask_for(True, override=self._eager_mask)
+                c.prepare()
+                attn.mask_for(True, override=c.eager_mask)
                 return self.capacity, 0
-        if self.compileable and not attn.evicting_forward() and evicts:
+        if c is not None and not attn.evicting_forward() and evicts:
             # the same mask creation before the (uncompiled) prefill: keep the 2-D padding mask for vase's pre-hook
             attn.mask_for(True, override=lambda kind, dtype, kwargs: kwargs.get("attention_mask"))
-            return self._seen + query_length, 0
+            return seen + query_length, 0
         attn.mask_for(evicts)
         if evicts:
-            return self._seen + query_length, 0
+            return seen + query_length, 0
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     @property
@@ -299,6 +344,22 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cac
     @property
     def is_croppable(self) -> bool:
         return False
+
+    def prepare_decode(self) -> None:
+        """The eager part of the next decode step (one token per row) of a compileable cache: evict the rows the last
+        step filled, update the host bookkeeping, plan the step. Idempotent until the step runs.
+
+        ``model.generate(..., compile_config=...)`` calls it for you (through the mask transformers builds before each
+        compiled step), and so does an uncompiled forward. A hand-written loop around a compiled forward should call
+        it before each step (and pass ``position_ids``): otherwise the compiled forward calls it itself, at the cost
+        of a graph break at the start of each step.
+
+        Raises:
+            RuntimeError: for a cache made without ``compileable=True``, or before the first forward (the prefill).
+        """
+        if self.compiled is None:
+            raise RuntimeError("prepare_decode() is for a cache made with EvictingCache(..., compileable=True)")
+        self.compiled.prepare()
 
     def activate_past_recording(self) -> None:
         """Refuse assisted / speculative decoding before any token is fed.
@@ -318,17 +379,40 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cac
             "evicts cannot restore what a crop needs. Generate without them (the cache is left untouched)"
         )
 
+    # ---------------------------------------------------------------------------------------------- reading
+    def _settled(self) -> None:
+        """A compiled step that ran is evicted and committed before anything reads the bookkeeping."""
+        if self.compiled is not None:
+            self.compiled.flush()
+
     @property
     def fill(self) -> list[int]:
         """Filled slots of each row (tokens)."""
-        self._flush()
-        return list(self._fill)
+        self._settled()
+        return list(self.seq.schedule.fill[: self.batch or 0])
+
+    def room(self) -> list[int]:
+        """Tokens each row can take before its next eviction (the eviction happens at the token that fills it); with
+        ``kv_bits``, before its next eviction or quantization of its recent tokens, whichever comes first (the
+        ``full`` policy included).
+
+        Known after the first forward pass; used by :func:`vase.harness.fidelity.replay` to cut teacher-forced chunks
+        exactly where token-by-token decoding would evict (or quantize).
+
+        Raises:
+            RuntimeError: before the first forward pass, or for a policy that never evicts (without ``kv_bits``).
+        """
+        if self.capacity is None or not (self.policy.evicts or self.quantized):
+            raise RuntimeError("room() is known after the first forward pass, for an evicting or quantizing policy")
+        self._settled()
+        return self.seq.schedule.room(range(self.batch), self.capacity)
 
     def stats(self) -> CacheStats:
         """Current :class:`CacheStats` (bytes: see its attributes; the kept layers of a hybrid model count in both
         ``bytes_held`` and ``bytes_full``)."""
-        self._flush()
+        self._settled()
         held = full = other = live = 0
+        seen = self.forward.seen
         for p in self._plan:
             layer = self.layers[p.index]
             if not p.evicts:
@@ -336,37 +420,36 @@ class EvictingCache(ScheduleMixin, CompiledDecodeMixin, QuantizedCacheMixin, Cac
             elif layer.is_initialized:
                 held += hybrid.state_bytes(layer)
                 held += layer.pages.nbytes if layer.pages is not None else 0  # quest's page metadata
-                b, h = layer.keys.shape[:2]
-                entry = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-                full += b * h * self._seen * entry
+                b, h = layer.positions.shape[:2]
+                full += b * h * seen * layer.storage.entry_bytes()
                 live += layer.live_bytes()
         held += other
         full += other
-        batch = self.batch or 0
+        sched, ws = self.seq.schedule, self.workspace
         return CacheStats(
             policy=self.policy.name,
             budget=self.budget,
             buffer=self.buffer,
-            batch=batch,
+            batch=self.batch or 0,
             layers=self.num_layers,
-            tokens_seen=self._seen,
-            real_tokens=list(self._real),
-            slots_held=max(self._fill, default=0),
+            tokens_seen=seen,
+            real_tokens=list(sched.seen[: self.batch or 0]),
+            slots_held=max(sched.fill[: self.batch or 0], default=0),
             capacity=self.capacity or 0,
-            evictions=self._evictions,
-            tokens_evicted=self._tokens_evicted,
+            evictions=sched.eviction_steps,
+            tokens_evicted=sched.tokens_evicted,
             bytes_held=held,
             bytes_full=full,
-            eviction_seconds=self._eviction_seconds,
-            protected=int(self._protected),
-            other_layers=len(self._plan) - len(self._evicting),
+            eviction_seconds=self.counters.eviction_seconds,
+            protected=int(self.counters.protected),
+            other_layers=len(self._plan) - len(self.evicting),
             bytes_other=other,
             bytes_live=live,
             kv_bits=self.kv_bits,
             kv_group=self.kv_group,
-            bytes_workspace=self.workspace_bytes(),
-            dequant_seconds=self._dequant_seconds,
-            quant_seconds=self._quant_seconds,
+            bytes_workspace=ws.nbytes() if ws is not None else 0,
+            dequant_seconds=ws.dequant_seconds if ws is not None else 0.0,
+            quant_seconds=ws.quant_seconds if ws is not None else 0.0,
         )
 
 

@@ -1,213 +1,250 @@
-"""Slot storage and compaction of one evicting layer of an :class:`~vase.EvictingCache`.
+"""One evicting layer of an :class:`~vase.EvictingCache`: its writes, the attention hooks' side, its compactions.
 
-Keys and values live in buffers ``[batch, kv_heads, capacity, head_dim]`` allocated once, in the model's dtype and on
-its device; they never move or grow while generating (VaSE, arXiv 2606.03928, Sec. 3.3). A row's real tokens are
-packed at the front of its slots in position order. A decode token is written in place at the row's fill; several new
-tokens (prefill, chat continuation) are attended together with the cache, then written packed. Which entries stay
-at a compaction is decided by the eviction core (:func:`vase.core.evict.evict_layer`); this module gathers them back
-into the same buffers.
+A layer holds a storage strategy for its keys and values (:class:`vase.hf.storage.DenseStorage`, or
+:class:`vase.hf.quantized.QuantizedStorage` with ``kv_bits``) and its index in the cache's sequence model
+(:class:`vase.core.sequence.Sequences`: the row tables with each slot's logical position and policy state, the query
+ring, the schedule). Each forward pass hands it the step's plan (:class:`vase.hf.step.ForwardStep`): a decode token is
+written in place at the row's fill; several new tokens (prefill, chat continuation) are attended together with the
+cache, then written packed. Which entries stay at a compaction is decided by the sequence model
+(:meth:`vase.core.sequence.Sequences.evict`); this module gathers the kept entries back into the same buffers.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 from transformers.cache_utils import CacheLayerMixin
 
-from ..core.evict import evict_layer, gather_kept
+from ..core.evict import gather_kept
 from ..core.masks import mask_in_kind
 from ..core.selection import pack_valid
+from ..core.sequence import Sequences
 from . import attention as attn
-from .compiled import StaticLayerMixin
-from .queries import QueryRing
-from .step import StepPlan
-
-if TYPE_CHECKING:
-    from .cache import EvictingCache
+from .step import ForwardStep
 
 
-class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
+@dataclass
+class Counters:
+    """What the evicting layers of one cache add up: eviction time (seconds), guarded slots (a device tensor or 0),
+    and whether to synchronize the GPU around evictions (``profile``)."""
+
+    profile: bool = False
+    eviction_seconds: float = 0.0
+    protected: torch.Tensor | int = 0
+
+    def timed(self, evicts: bool, device: torch.device):
+        return _Timed(self, evicts, device)
+
+
+class _Timed:
+    """Around a layer's write (``evicts`` falsy) or eviction: profiler label; for an eviction, its wall time added to
+    ``eviction_seconds`` (the GPU synchronized first with ``profile``)."""
+
+    def __init__(self, counters: Counters, evicts: bool, device: torch.device):
+        self.c, self.evicts, self.device = counters, evicts, device
+        self.label = record_function("vase.evict" if evicts else "vase.write")
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.label.__enter__()
+
+    def __exit__(self, *exc):
+        self.label.__exit__(*exc)
+        if self.evicts:
+            if self.c.profile and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.c.eviction_seconds += time.perf_counter() - self.t0
+        return False
+
+
+class EvictingLayer(CacheLayerMixin):
     """One layer of an :class:`~vase.EvictingCache`. Created by the cache; not meant to be built directly.
 
+    Args:
+        seq: the cache's sequence model; index: this layer's index in it (the evicting layers in order).
+        layer_idx: the model's index of this layer.
+        storage: where its keys and values live (dense or quantized).
+        length: the cache's logical length (tokens seen), for the Cache protocol.
+        counters: the cache's :class:`Counters`.
+        record: keep the details of the last eviction in :attr:`last_eviction` (tests, inspection).
+
     Tensors (allocated at the first update, never reallocated, except by the growing ``full`` policy):
-        keys, values: ``[B, kv_heads, capacity, head_dim]`` model dtype.
-        positions: ``[B, kv_heads, capacity]`` int64 logical position of each slot (-1: free or dead).
-        queries: ``[B, q_heads, window, head_dim]`` ring of the last ``window`` post-RoPE queries of each row, its
-            real ones only (if the policy needs them), with ``query_positions`` and ``query_valid`` ``[B, window]``
-            (:class:`vase.hf.queries.QueryRing`).
+        keys, values: ``[B, kv_heads, capacity, head_dim]`` what attention reads (the storage's buffers, or the
+            quantized storage's workspace).
+        positions: ``[B, kv_heads, capacity]`` int64 logical position of each slot (-1: free or dead), from the row
+            tables.
         state: per-slot scorer state, ``{name: [B, kv_heads, capacity]}`` float32, moved with its tokens.
         row_memo: per-row scorer memo, ``{name: [B]}`` (``acc_upto``: the newest query H2O has accumulated).
+        queries, query_positions, query_valid: the saved post-RoPE queries ``[B, q_heads, window, head_dim]``, their
+            positions and validity ``[B, window]`` (the query ring), or None.
     """
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, cache: EvictingCache, layer_idx: int):
-        super().__init__()
-        self._cache_ref = weakref.ref(cache)
-        self.layer_idx = layer_idx
-        self.positions: torch.Tensor | None = None
-        self.state: dict[str, torch.Tensor] = {}
-        self.row_memo: dict[str, torch.Tensor] = {}
-        self.ring = QueryRing(cache.window)
+    def __init__(self, seq: Sequences, index: int, layer_idx: int, storage, length: Callable[[], int], counters):
+        # CacheLayerMixin.__init__ would set keys/values, which are the storage's here
+        self.is_initialized = False
+        self.seq, self.index, self.layer_idx, self.storage = seq, index, layer_idx, storage
+        self._length, self.counters = length, counters
+        self.record = False
         self.scaling: float | None = None
-        self._staged = None
-        self._awaiting_attention = False
+        self._step: ForwardStep | None = None
         self.last_eviction: dict | None = None
         self.pages = None  # page metadata of a selection policy (quest: vase.core.pages.PageTable)
+        self._q_heads = 0
+
+    # ------------------------------------------------------------------------------------------------ views
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.storage.keys
 
     @property
-    def cache(self) -> EvictingCache:
-        return self._cache_ref()
+    def values(self) -> torch.Tensor | None:
+        return self.storage.values
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return self.seq.tables.positions[self.index]
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.seq.tables.state[self.index]
+
+    @property
+    def row_memo(self) -> dict[str, torch.Tensor]:
+        return self.seq.tables.memo[self.index]
 
     @property
     def queries(self) -> torch.Tensor | None:
-        """``[B, q_heads, window, head_dim]`` saved post-RoPE queries, or None."""
-        return self.ring.queries
+        return None if self.seq.ring is None else self.seq.ring.queries[self.index]
 
     @property
     def query_positions(self) -> torch.Tensor | None:
-        """``[B, window]`` int64 logical position of each saved query."""
-        return self.ring.positions
+        return None if self.queries is None else self.seq.ring.read(self.index)[1]
 
     @property
     def query_valid(self) -> torch.Tensor | None:
-        """``[B, window]`` bool, which saved queries are real."""
-        return self.ring.valid
-
-    # ----------------------------------------------------------------------------------------------- allocation
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        c = self.cache
-        self.device = key_states.device
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.head_dim = key_states.shape[-1]
-        self._allocate(c.capacity, key_states.dtype, value_states.shape[-1])
-        self.is_initialized = True
-
-    def _allocate(self, capacity: int, dtype: torch.dtype, v_dim: int) -> None:
-        b, h, dev = self.batch_size, self.num_heads, self.device
-        self.keys = torch.zeros((b, h, capacity, self.head_dim), dtype=dtype, device=dev)
-        self.values = torch.zeros((b, h, capacity, v_dim), dtype=dtype, device=dev)
-        self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
-        self.state = {
-            n: torch.zeros((b, h, capacity), dtype=torch.float32, device=dev) for n in self.cache.policy.state_names
-        }
-        self.row_memo = {"acc_upto": torch.full((b,), -1, dtype=torch.long, device=dev)}
-
-    def _grow(self, capacity: int) -> None:
-        """Only for the non-evicting ``full`` policy: move to larger buffers."""
-        old = (self.keys, self.values, self.positions, self.state)
-        n = self.keys.shape[2]
-        self._allocate(capacity, self.keys.dtype, self.values.shape[-1])
-        self.keys[:, :, :n] = old[0]
-        self.values[:, :, :n] = old[1]
-        self.positions[:, :, :n] = old[2]
-        for k, v in old[3].items():
-            self.state[k][:, :, :n] = v
+        return None if self.queries is None else self.seq.ring.read(self.index)[2]
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2] if self.is_initialized else 0
+        return self.storage.capacity if self.is_initialized else 0
 
-    # -------------------------------------------------------------------------------------------------- update
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads, ``[B, H, capacity, D]`` (with ``kv_bits``: dequantized into new
+        tensors, for tests and inspection)."""
+        return self.storage.entries()
+
+    def storage_bytes(self) -> int:
+        """Bytes the storage holds (read by :func:`vase.hf.hybrid.state_bytes`)."""
+        return self.storage.nbytes()
+
+    def live_bytes(self) -> int:
+        """Bytes of the entries holding a token now (see :attr:`vase.CacheStats.bytes_live`)."""
+        return self.storage.live_bytes(self.positions)
+
+    # ----------------------------------------------------------------------------------------------- writes
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int = 0) -> None:
+        """Allocate the storage and this layer's row tables for the batch of ``key_states`` and ``capacity`` slots."""
+        self.device = key_states.device
+        b, h = key_states.shape[:2]
+        self.head_dim = key_states.shape[-1]
+        self.storage.allocate(b, h, capacity, self.head_dim, value_states.shape[-1], key_states.dtype, self.device)
+        self.seq.tables.allocate(self.index, b, h, capacity, self.device)
+        self.is_initialized = True
+
+    def grow(self, capacity: int, step: ForwardStep | None = None) -> None:
+        """Only for a policy that never evicts (``full``): larger buffers and tables, the entries where they were."""
+        self.storage.grow(capacity, step)
+        self.seq.tables.grow(self.index, width=capacity)
+
     @torch.no_grad()
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Take the new keys/values ``[B, kv_heads, q, head_dim]`` (post-RoPE) and return what attention must see.
+    def write(self, step: ForwardStep, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Take the step's new keys/values ``[B, kv_heads, q, head_dim]`` (post-RoPE); return what attention reads.
 
         One decode token per row: written in place, returns views ``[B, kv_heads, P, head_dim]`` of the buffers
-        (P = largest fill + 1). Several tokens: returns the old entries concatenated with the new ones; they are
-        written (and the cache compressed if needed) right after the attention.
+        (P = largest fill + 1). Several tokens: returns the held entries concatenated with the new ones; they are
+        written (and the rows that do not fit compressed) right after the attention (:meth:`after_attention`).
 
         Raises:
-            RuntimeError: if vase's attention function did not run after the previous update (the model's
-                attention implementation was changed after the cache was made).
-            ValueError: keys whose KV heads or head dim differ from the model's layer the cache was made for.
+            RuntimeError: if vase's attention function did not run after the previous update (the model's attention
+                implementation was changed after the cache was made).
         """
-        c = self.cache
-        if c._static_forward:
-            return self._static_update(key_states, value_states)
-        if self._awaiting_attention:
+        if self._step is not None:
             raise RuntimeError(
                 "vase's attention function did not run after the last cache update of layer "
                 f"{self.layer_idx}: the model's attention implementation was changed after the EvictingCache was "
                 "created. Build the cache again with EvictingCache(model, ...), or call "
                 "vase.hf.attention.install(model)."
             )
-        c._check_keys(self.layer_idx, key_states)
-        step = c._step_for(key_states.shape[0], key_states.shape[2], key_states.device)
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        elif self.capacity < step.capacity and not c.policy.evicts:
-            self._grow(step.capacity)
-        self._ready(step)
-        if c.policy.sparse is not None:
-            c.policy.sparse.write(self, step, key_states)
+            self.lazy_initialization(key_states, value_states, step.capacity)
+        elif self.capacity < step.capacity and not self.seq.policy.evicts:
+            self.grow(step.capacity, step)
+        self.storage.before(step)
+        sparse = self.seq.policy.sparse
+        if sparse is not None:
+            sparse.write(self, step, key_states)
         if step.append:
-            out_k, out_v = self._append(step, key_states, value_states)
+            out_k, out_v = self.storage.append(step, key_states, value_states)
+            self._put_positions(step)
         else:
-            p = step.p_old
-            if p == 0:
-                out_k, out_v = key_states, value_states
-            else:
-                out_k = torch.cat([self.keys[:, :, :p], key_states], dim=2)
-                out_v = torch.cat([self.values[:, :, :p], value_states], dim=2)
+            out_k, out_v = self.storage.staged(step, key_states, value_states)
             self._staged = (out_k, out_v)
-        self._awaiting_attention = True
+        self._step = step
         attn.hand_off(self, out_k)
         return out_k, out_v
 
-    def _append(self, step: StepPlan, k: torch.Tensor, v: torch.Tensor):
-        p = step.p_old + 1
+    def _put_positions(self, step: ForwardStep) -> None:
+        """The decode token's logical position in each row's slot at its fill."""
+        tables, i = self.seq.tables, self.index
         if step.uniform:
-            f = step.fill_before[0]
-            self.keys[:, :, f : f + 1].copy_(k)
-            self.values[:, :, f : f + 1].copy_(v)
-            if len(set(step.real_before)) == 1:
-                self.positions[:, :, f].fill_(step.real_before[0])
-            else:
-                self.positions[:, :, f : f + 1].copy_(step.new_positions().unsqueeze(1).expand(-1, k.shape[1], 1))
+            real = step.real_before
+            tables.put_column(i, step.fill_before[0], real[0] if len(set(real)) == 1 else step.new_positions()[:, 0])
         else:
-            b, h = k.shape[:2]
-            slot = step.tensor("fill_before", step.fill_before).view(b, 1, 1)
-            self.keys.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, k.shape[-1]), k)
-            self.values.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, v.shape[-1]), v)
-            self.positions.scatter_(2, slot.expand(b, h, 1), step.new_positions().unsqueeze(1).expand(b, h, 1))
-        return self.keys[:, :, :p], self.values[:, :, :p]
+            b = len(step.fill_before)
+            tables.put_positions(
+                i,
+                step.tensor("batch_rows", list(range(b))),
+                step.tensor("fill_before", step.fill_before),
+                step.new_positions()[:, 0],
+            )
 
-    # -------------------------------------------------------------------------------- called by vase.hf.attention
+    # ---------------------------------------------------------------------------- called by vase.hf.attention
     @torch.no_grad()
     def record_queries(self, query: torch.Tensor, scaling: float | None) -> None:
-        """Save the last ``window`` post-RoPE queries ``[B, q_heads, q, head_dim]`` of this step in the ring."""
-        c = self.cache
-        if c._static_forward:
-            self.ring.record_static(query, c._qnext_t, c._real_t)
-            return
+        """Save this step's post-RoPE queries ``[B, q_heads, q, head_dim]`` in the query ring."""
         self._q_heads = query.shape[1]
         self.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.ring.record(query, c._step)
+        ring, step = self.seq.ring, self._step
+        if ring is None:
+            return
+        if ring.queries[self.index] is None:
+            ring.allocate(self.index, query.shape[1], query.shape[-1], query.dtype, query.device)
+        ring.write(self.index, step.ring, step.ring_values(query))
 
     def attention_mask(self, kind: str, dtype: torch.dtype, query: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The mask over physical slots for this step (see :meth:`StepPlan.mask`); a selection policy (quest) narrows
-        it per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see
+        """The mask over physical slots for this step (see :meth:`ForwardStep.mask`); a selection policy (quest)
+        narrows it per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see
         :mod:`vase.core.pages`); with adaptive budgets it is per head too (:meth:`_head_mask`)."""
-        c = self.cache
-        if c._static_forward:
-            return self._static_mask(kind, dtype)
-        if c.policy.sparse is not None:
-            return c.policy.sparse.mask(self, c._step, query, kind, dtype, c.budget, c.sinks)
-        if c.adaptive:
-            return self._head_mask(c._step, kind, dtype)
-        return c._step.mask(kind, dtype)
+        step, policy = self._step, self.seq.policy
+        if policy.sparse is not None:
+            return policy.sparse.mask(self, step, query, kind, dtype, self.seq.config.budget, self.seq.config.sinks)
+        if policy.adaptive_budgets:
+            return self._head_mask(step, kind, dtype)
+        return step.mask(kind, dtype)
 
-    def _head_mask(self, step: StepPlan, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
+    def _head_mask(self, step: ForwardStep, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
         """Adaptive budgets: ``[B, q_heads, q, kv_len]`` (bool for sdpa, 0 / dtype-min for eager), each query head
         seeing only the live slots of its KV head (logical position >= 0: its kept tokens, not the dead slots
         ``[n, slots)`` of a head keeping ``n``) and, for several new tokens, the new ones causally (the row mask of
-        :meth:`StepPlan.mask`). Same as :meth:`StepPlan.mask` when the cache holds nothing yet."""
+        :meth:`ForwardStep.mask`). Same as :meth:`ForwardStep.mask` when the cache holds nothing yet."""
         p = step.p_old
         if p == 0 or kind == "padding":
             return step.mask(kind, dtype)
@@ -222,91 +259,49 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
 
     @torch.no_grad()
     def after_attention(self) -> None:
-        """Write staged tokens and compact the rows that reached capacity; then mark this layer done."""
-        c = self.cache
-        if c._static_forward:
-            self._static_after()
-            return
-        step = c._step
-        self._awaiting_attention = False
-        with c._timed(step.evict_rows, self.keys.device):
+        """Write staged tokens and compact the rows that reached their limit; then mark this layer done."""
+        step, self._step = self._step, None
+        with self.counters.timed(bool(step.evict_rows), self.keys.device):
             if step.append:
                 if step.evict_rows:
-                    self._compact_rows(step)
+                    self.compact(step)
             else:
                 self._write_staged(step)
-            self._stored(step)
+            self.storage.after(step)
         self._staged = None
-        c._layer_done(self)
-
-    def _ready(self, step: StepPlan) -> None:
-        """Before this layer's entries are read or written in a forward pass: nothing here (the buffers hold them);
-        a quantized layer (:class:`vase.hf.quantized.QuantizedLayer`) dequantizes them into its workspace."""
-
-    def _stored(self, step: StepPlan) -> None:
-        """After this layer's write or compaction of a forward pass: nothing here; a quantized layer stores what
-        changed (:class:`vase.hf.quantized.QuantizedLayer`)."""
-
-    def live_bytes(self) -> int:
-        """Bytes of this layer's key/value entries holding a token now (see :attr:`vase.CacheStats.bytes_live`)."""
-        entry = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
-        return int((self.positions >= 0).sum()) * entry
+        step.layer_done()
 
     # ----------------------------------------------------------------------------------------------- eviction
-    def _select(self, step, rows, keys, values, positions, valid, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """The eviction core's choice (:func:`vase.core.evict.evict_layer`) for ``rows`` (None = all); returns slot
-        indices ``[r, H, slots]`` and the counts kept (``[r]``, or ``[r, H]`` with AdaKV; entries of the indices past
-        a head's count are padding).
+    def _evict(self, step, rows, keys, values, positions, valid, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence model's choice for ``rows`` (None = all); returns slot indices ``[r, H, slots]`` and the counts
+        kept (``[r]``, or ``[r, H]`` with AdaKV; entries of the indices past a head's count are padding).
 
         ``keys``, ``values`` ``[r, H, S, D]``, ``positions`` ``[r, H, S]``, ``valid`` ``[r, S]`` (``[r, H, S]`` with
         adaptive budgets) hold the ``r`` rows scored (copies when only some rows are). ``state`` maps each of the
-        policy's state names to ``[r, H, S]`` float32: the scorer updates it in place or replaces its entries, so on
-        return ``state`` holds the new state of those rows' slots, and the caller must write it back with them (see
-        :meth:`_write`). The per-row memo (``row_memo``, e.g. how far H2O has accumulated) is written back here, for
-        exactly these rows.
-        """
-        c = self.cache
-        sel_rows = None if rows is None else step.tensor(("rows", tuple(rows)), rows)
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t if sel_rows is None else t.index_select(0, sel_rows)
-
-        q, qp, qv = self.ring.rows(sel_rows)
-        ev = evict_layer(
-            c.policy,
+        policy's state names to ``[r, H, S]`` float32: on return it holds the new state of those rows' slots, which
+        the caller writes back with them (:meth:`_write`)."""
+        which = list(range(len(step.fill_before))) if rows is None else list(rows)
+        ev = self.seq.evict(
+            self.index,
+            step.schedule,
+            which,
             keys,
             values,
             positions,
             valid,
-            budget=c.layer_budgets[self.layer_idx],
-            slots=c.slots,
-            sinks=c.sinks,
-            recent=c.recent,
-            row_keys=pick(c._row_keys_tensor(keys.device)),
-            eviction_index=pick(step.tensor("row_evictions", c._row_evictions)),
-            latest_query=pick(step.latest_positions()),
-            queries=q,
-            query_positions=qp,
-            query_valid=qv,
+            state,
             scaling=self.scaling or self.head_dim**-0.5,
-            state=state,
-            memo={n: pick(m) for n, m in self.row_memo.items()},
-            layer_idx=self.layer_idx,
+            rows=None if rows is None else step.rows_tensor(rows),
         )
         if ev.protected is not None:
-            c._protected = c._protected + ev.protected.sum()  # a device tensor: no synchronisation here
-        for n, m in self.row_memo.items():
-            if sel_rows is None:
-                m.copy_(ev.memo[n])
-            else:
-                m.index_copy_(0, sel_rows, ev.memo[n])
-        if c.record_evictions:
+            self.counters.protected = self.counters.protected + ev.protected.sum()  # a device tensor: no sync
+        if self.record:
             self.last_eviction = self._eviction_record(ev, rows, keys, values, positions, valid)
         return ev.indices, ev.keep
 
     def _eviction_record(self, ev, rows, keys, values, positions, valid) -> dict:
         """The details of an eviction kept with ``record_evictions`` (tests, inspection)."""
-        c, ctx = self.cache, ev.context
+        ctx, policy = ev.context, self.seq.policy
         r = keys.shape[0]
         n_protected = None if ev.protected is None else ev.protected.sum(-1)  # [r, H]
         return {
@@ -325,7 +320,7 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
             "scores": None if ev.scores is None else ev.scores.clone(),
             "kept": ev.indices.clone(),
             "kept_positions": positions.gather(2, ev.indices),
-            "n_protect": c.policy.guard.count(ctx.budget, c.sinks) if c.policy.guard is not None else 0,
+            "n_protect": policy.guard.count(ctx.budget, self.seq.config.sinks) if policy.guard is not None else 0,
             "n_protected": torch.zeros(ev.indices.shape[:2], dtype=torch.long, device=keys.device)
             if n_protected is None
             else n_protected,
@@ -334,66 +329,47 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
 
     @record_function("vase.compact")
     def _write(self, step, rows, idx: torch.Tensor, keep, keys, values, positions, state) -> None:
-        """Gather ``idx`` ``[r, H, kmax]`` from the source tensors into slots ``[0, kmax)`` of ``rows`` in place.
+        """Gather ``idx`` ``[r, H, kmax]`` from the source tensors into slots ``[0, kmax)`` of ``rows`` in place (the
+        storage's entries, the tables' positions and state).
 
         ``keep``: slots kept per row (a list), or a tensor ``[r]`` / ``[r, H]`` (per head, adaptive budgets); the
         entries of ``idx`` past it are freed (position -1)."""
-        r, _, kmax = idx.shape
         if not isinstance(keep, torch.Tensor):
             keep = step.tensor(("keep", rows is None), keep)
         k, v, p, st = gather_kept(idx, keep, keys, values, positions, state)
-        if rows is None:
-            self.keys[:, :, :kmax].copy_(k)
-            self.values[:, :, :kmax].copy_(v)
-            self.positions[:, :, :kmax].copy_(p)
-            self.positions[:, :, kmax:].fill_(-1)
-            for n, s in st.items():
-                self.state[n][:, :, :kmax].copy_(s)
-                self.state[n][:, :, kmax:].zero_()
-        else:
-            rt = step.tensor(("rows", tuple(rows)), rows)
-            self.keys[rt, :, :kmax] = k
-            self.values[rt, :, :kmax] = v
-            self.positions[rt, :, :kmax] = p
-            self.positions[rt, :, kmax:] = -1
-            for n, s in st.items():
-                self.state[n][rt, :, :kmax] = s
-                self.state[n][rt, :, kmax:] = 0.0
+        self.storage.put_front(step, rows, idx, k, v)
+        self.seq.tables.write_kept(self.index, None if rows is None else step.rows_tensor(rows), p, st)
 
-    def _compact_rows(self, step: StepPlan) -> None:
-        """Decode-time eviction: rows whose fill reached capacity go back to ``budget`` slots."""
-        c = self.cache
+    def compact(self, step: ForwardStep) -> None:
+        """Decode-time eviction: rows whose fill reached their limit go back to ``slots``."""
         rows = step.evict_rows
         whole = len(rows) == self.keys.shape[0]
+        rt = None if whole else step.rows_tensor(rows)
+        keys, values = self.storage.rows(rt)
         if whole:
-            keys, values, positions = self.keys, self.values, self.positions
-            state = dict(self.state)
+            positions, state = self.positions, dict(self.state)
         else:
-            rt = step.tensor(("rows", tuple(rows)), rows)
-            keys, values = self.keys.index_select(0, rt), self.values.index_select(0, rt)
             positions = self.positions.index_select(0, rt)
             state = {n: s.index_select(0, rt) for n, s in self.state.items()}
         filled = step.tensor(("filled", tuple(rows)), [step.fill_before[i] + step.counts[i] for i in rows])
         valid = torch.arange(keys.shape[2], device=keys.device).view(1, -1) < filled.view(-1, 1)
-        if c.adaptive:  # per head: dead slots (position -1) of heads that kept fewer than the slots
+        adaptive = self.seq.policy.adaptive_budgets
+        if adaptive:  # per head: dead slots (position -1) of heads that kept fewer than the slots
             valid = valid.unsqueeze(1) & (positions >= 0)
-        idx, kept = self._select(step, None if whole else rows, keys, values, positions, valid, state)
-        keep = kept if c.adaptive else [c.budget] * len(rows)
+        idx, kept = self._evict(step, None if whole else rows, keys, values, positions, valid, state)
+        keep = kept if adaptive else [self.seq.config.budget] * len(rows)
         self._write(step, None if whole else rows, idx, keep, keys, values, positions, state)
 
-    def _write_staged(self, step: StepPlan) -> None:
+    def _write_staged(self, step: ForwardStep) -> None:
         """After a multi-token step: write the new real tokens packed, compressing rows that do not fit."""
-        c = self.cache
+        seq = self.seq
         new_k, new_v = self._staged
         q, p = step.q, step.p_old
         if step.uniform and p == 0 and not step.evict_rows and self.keys.shape[2] >= q:
             # fast path: empty cache, no padding, fits
             f = step.fill_before[0]
-            self.keys[:, :, f : f + q].copy_(new_k[:, :, -q:])
-            self.values[:, :, f : f + q].copy_(new_v[:, :, -q:])
-            self.positions[:, :, f : f + q].copy_(step.new_positions().unsqueeze(1).expand_as(new_k[..., 0]))
-            for s in self.state.values():
-                s[:, :, f : f + q].zero_()
+            self.storage.put_span(f, new_k[:, :, -q:], new_v[:, :, -q:])
+            seq.tables.put_span(self.index, f, step.new_positions())
             return
         b, h = new_k.shape[:2]
         new_pos = step.new_positions().unsqueeze(1).expand(b, h, q)
@@ -409,13 +385,14 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
         if step.evict_rows:
             rows = step.evict_rows
             whole = len(rows) == b
-            if c.adaptive:  # per head: the scorers and the selection see each head's live slots only
+            adaptive = seq.policy.adaptive_budgets
+            if adaptive:  # per head: the scorers and the selection see each head's live slots only
                 valid = valid.unsqueeze(1) & (positions >= 0)
                 keep = step.tensor("keep", step.keep).view(b, 1).expand(b, h).clone()
             if whole:
                 sub = (new_k, new_v, positions, valid, state)
             else:
-                rt = step.tensor(("rows", tuple(rows)), rows)
+                rt = step.rows_tensor(rows)
                 sub = (
                     new_k.index_select(0, rt),
                     new_v.index_select(0, rt),
@@ -423,36 +400,37 @@ class EvictingLayer(StaticLayerMixin, CacheLayerMixin):
                     valid.index_select(0, rt),
                     {n: s.index_select(0, rt) for n, s in state.items()},
                 )
-            sel, kept = self._select(step, None if whole else rows, *sub)
+            sel, kept = self._evict(step, None if whole else rows, *sub)
             if whole:
-                idx[:, :, : c.slots] = sel
+                idx[:, :, : seq.slots] = sel
             else:
-                idx[rt, :, : c.slots] = sel
+                idx[rt, :, : seq.slots] = sel
                 for n, s in sub[4].items():  # the scored rows' state (H2O: attention just accumulated)
                     state[n].index_copy_(0, rt, s)
-            if c.adaptive:
+            if adaptive:
                 keep[rows if not whole else slice(None)] = kept.view(len(rows), -1)
         self._write(step, None, idx, keep, new_k, new_v, positions, state)
 
     # ------------------------------------------------------------------------------------------ Cache protocol
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("an evicting layer is updated through its EvictingCache (cache.update), not directly")
+
     def get_seq_length(self) -> int:
         """Logical length (tokens seen), shared by all layers."""
-        return self.cache.get_seq_length()
+        return self._length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Logical sizes: the default mask transformers builds is replaced by vase's own over physical slots.
-        return self.cache.get_seq_length() + query_length, 0
+        return self._length() + query_length, 0
 
     def get_max_length(self) -> int:
         return self.capacity if self.is_initialized else -1
 
     def reset(self) -> None:
-        """Drop the buffers; the next update allocates them again."""
-        self.keys = self.values = self.positions = None
-        self.state, self.row_memo = {}, {}
-        self.ring = QueryRing(self.cache.window)
+        """Drop the storage; the next update allocates it again (the cache resets the tables and the ring)."""
+        self.storage.reset()
+        self._step = None
         self._staged = None
-        self._awaiting_attention = False
         self.last_eviction = None
         self.pages = None
         self.is_initialized = False

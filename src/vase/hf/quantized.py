@@ -1,32 +1,30 @@
-"""Quantized storage of an evicting layer (policy option ``kv_bits``): packed integers and scales, allocated once.
+"""Quantized storage of an evicting layer (policy option ``kv_bits``): :class:`QuantizedStorage`, allocated once.
 
 What each evicting layer holds with ``kv_bits`` (see :mod:`vase.core.quant` for the quantization itself), per (row,
 KV head):
 
 * **quantized store**, ``L = capacity - buffer`` logical slots (the budget after a compaction): key and value codes
   ``[B, H, L, D * bits / 8]`` uint8 with their float16 steps and minima ``[B, H, L, D / group]``, and the key
-  channel factors ``[B, H, D]`` float32. Slot ``i`` of the store is logical slot ``i`` of the layer (the slot order of
-  :class:`~vase.hf.layer.EvictingLayer`, position order), so the entries the guard keeps in full precision leave
-  their quantized slot unused;
+  channel factors ``[B, H, D]`` float32. Slot ``i`` of the store is logical slot ``i`` of the layer (position order),
+  so the entries the guard keeps in full precision leave their quantized slot unused;
 * **full-precision store** ``[B, H, P + buffer, D]`` (model dtype): ``P`` entries kept in full precision by the value
   guard (``protect_precision='guard'``; their logical slots in ``protected``), then the row's recent tokens, those
   written since its last quantization (KIVI's full-precision residual, arXiv 2402.02750, Sec. 3.2).
 
 Each row quantizes at every compaction (what it keeps, less the guard's full-precision entries) and, in between, each
 time ``buffer`` new tokens have arrived since its last quantization (before its first eviction, and always for the
-``full`` policy), up to ``L`` slots: a row's entries below its ``qlimit`` (host-side, per row, shared by the layers)
-are quantized. An entry is quantized once, from its full-precision value; at later compactions its codes and scales
-move with it unchanged (no re-quantization, so no error accumulates). An entry the guard keeps in full precision after
-it was quantized keeps its dequantized value.
+``full`` policy), up to ``L`` slots: a row's entries below its quantization limit (the sequence model's
+:attr:`vase.core.schedule.Schedule.qlimit`) are quantized. An entry is quantized once, from its full-precision value;
+at later compactions its codes and scales move with it unchanged (no re-quantization, so no error accumulates). An
+entry the guard keeps in full precision after it was quantized keeps its dequantized value.
 
 **Attention reads a workspace.** sdpa and eager attention take keys and values in the model's dtype, so before each
-layer's forward the layer dequantizes its entries into a workspace ``[B, H, capacity, D]`` shared by all the layers
-of the cache (layers run one after another): ``self.keys`` / ``self.values`` are views of it, and every step of
-:class:`~vase.hf.layer.EvictingLayer` (the in-place write of a new token, the compaction through the eviction core,
-the staged writes) runs on it unchanged; afterwards the layer stores back what changed (:meth:`QuantizedLayer._stored`).
-The workspace is one layer's worth of full-precision entries (``CacheStats.bytes_workspace``), and dequantizing every
-step costs time (``CacheStats.dequant_seconds``); a fused GPU kernel would dequantize the codes inside the attention
-kernel, tile by tile, and need neither. Compiled decoding is refused with ``kv_bits``.
+layer's forward the storage dequantizes its entries into a :class:`Workspace` ``[B, H, capacity, D]`` shared by all
+the layers of the cache (layers run one after another): the in-place write of a new token, the compaction and the
+staged writes run on it as on dense buffers (:class:`vase.hf.storage.DenseStorage` over the workspace); afterwards
+the storage stores back what changed (:meth:`QuantizedStorage.after`). The workspace is one layer's worth of
+full-precision entries (``CacheStats.bytes_workspace``), and dequantizing every step costs time
+(``CacheStats.dequant_seconds``). Compiled decoding is refused with ``kv_bits``.
 """
 
 from __future__ import annotations
@@ -37,83 +35,50 @@ import torch
 from torch.profiler import record_function
 
 from ..core import quant
-from .layer import EvictingLayer
+from ..core.config import VaseConfig
+from ..core.schedule import Schedule
+from .step import ForwardStep
+from .storage import DenseStorage
 
 _STORES = ("kq", "ks", "kz", "vq", "vs", "vz", "kf", "fp_k", "fp_v")
+_CODES = ("kq", "ks", "kz", "vq", "vs", "vz")
 
 
-class QuantizedCacheMixin:
-    """The cache-level part of ``kv_bits`` in an :class:`~vase.EvictingCache`: each row's quantization limit (host
-    side), when rows quantize, the shared dequantization workspace, and the time spent dequantizing."""
+class Workspace:
+    """The dequantization workspace shared by the quantized layers of one cache: keys and values ``[B, H, capacity,
+    D]`` in the model's dtype, allocated once (again only when the ``full`` policy's buffers grow), and the time spent
+    dequantizing and quantizing (seconds)."""
 
-    @property
-    def quantized(self) -> bool:
-        """Whether kept entries are stored quantized (policy option ``kv_bits``)."""
-        return self.kv_bits is not None
+    def __init__(self):
+        self.tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.dequant_seconds = 0.0
+        self.quant_seconds = 0.0
 
-    def _plan_quantization(self, keep: list[int], evict_rows: list[int], append: bool):
-        """Each row's quantization limit after the step being planned, and the rows that quantize their recent tokens
-        without evicting (a decode step). Rows that evict quantize what they keep (``slots``); a row whose recent tokens
-        reach ``buffer`` quantizes them (whole multiples of ``buffer`` after a multi-token step), up to ``L``."""
-        if len(self._qlimit) != len(keep):
-            self._qlimit = [0] * len(keep)
-        limits = self._quantization_limits()
-        evicting = set(evict_rows)
-        out, flush = [], []
-        for i, (n, q, lim) in enumerate(zip(keep, self._qlimit, limits)):
-            if i in evicting:
-                new = min(self.slots, lim)
-            elif n - q >= self.buffer and q < lim:
-                new = min(q + (n - q) // self.buffer * self.buffer, lim)
-                if append:
-                    flush.append(i)
-            else:
-                new = q
-            out.append(new)
-        return out, flush
-
-    def _quantization_limits(self) -> list[int]:
-        """The most logical slots each row may hold quantized: for an evicting policy, its eviction limit less the
-        buffer (its own, so that a row of a ragged batch quantizes as it would alone); for ``full``, every slot."""
-        if not self.policy.evicts:
-            return [self.capacity] * len(self._fill or self._qlimit)
-        return [lim - self.buffer for lim in self._limits()]
-
-    def _quantization_room(self) -> list[int]:
-        """Tokens each row can take before its next eviction or quantization (see :meth:`room`)."""
-        limits = self._limits() if self.policy.evicts else None
-        out = []
-        qs = self._qlimit or [0] * len(self._fill)
-        for i, (f, q, lim) in enumerate(zip(self._fill, qs, self._quantization_limits())):
-            nxt = q + self.buffer - f
-            if limits is not None:
-                nxt = min(limits[i] - f, nxt) if q < lim else limits[i] - f
-            out.append(nxt)
-        return out
-
-    def _workspace_for(self, shape: tuple, v_dim: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-        """The shared dequantization workspace ``(keys [B, H, capacity, D], values [B, H, capacity, Dv])``, allocated
-        once (again only when the ``full`` policy's buffers grow)."""
-        ws = self._workspace
+    def get(self, shape: tuple, v_dim: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        ws = self.tensors
         if ws is None or ws[0].shape[2] < shape[2] or ws[0].shape[:2] != shape[:2]:
             b, h, cap, d = shape
             ws = (
                 torch.zeros((b, h, cap, d), dtype=dtype, device=device),
                 torch.zeros((b, h, cap, v_dim), dtype=dtype, device=device),
             )
-            self._workspace = ws
+            self.tensors = ws
         return ws
 
-    def workspace_bytes(self) -> int:
-        """Bytes of the dequantization workspace (0 without ``kv_bits`` or before the first forward)."""
-        return 0 if self._workspace is None else sum(t.nbytes for t in self._workspace)
+    def nbytes(self) -> int:
+        return 0 if self.tensors is None else sum(t.nbytes for t in self.tensors)
 
 
-class QuantizedLayer(EvictingLayer):
-    """An :class:`~vase.hf.layer.EvictingLayer` whose kept entries are stored in ``kv_bits``-bit integers (see the
-    module docstring). Created by the cache for ``kv_bits`` policies; not meant to be built directly.
+class QuantizedStorage:
+    """The entries of one evicting layer in ``kv_bits``-bit integers (see the module docstring).
 
-    Tensors (allocated at the first update, never reallocated, except by the growing ``full`` policy):
+    Args:
+        config: the cache's configuration (``kv_bits``, ``kv_group``, ``protect_precision``, the guard, sizes).
+        budget: this layer's budget (the guard's full-precision share is of it).
+        schedule: the cache's sequence schedule (each row's fill and quantization limit, read, never written).
+        workspace: the cache's shared :class:`Workspace`.
+
+    Tensors (allocated once, except by the growing ``full`` policy):
         kq, vq: ``[B, H, L, D * bits / 8]`` uint8 packed key / value codes of logical slots ``[0, L)``.
         ks, kz, vs, vz: ``[B, H, L, D / group]`` float16 steps and minima.
         kf: ``[B, H, D]`` float32 key channel factors (1 until the row's first quantization).
@@ -121,38 +86,62 @@ class QuantizedLayer(EvictingLayer):
         qmask: ``[B, H, L]`` bool, logical slots stored quantized.
         protected: ``[B, H, P]`` int64 logical slot of each full-precision entry of the guard (unused: the row's
             quantization limit).
-        positions, state, row_memo, ring: as :class:`~vase.hf.layer.EvictingLayer`.
+        keys, values: the workspace views attention reads.
     """
 
-    def __init__(self, cache, layer_idx: int):
-        super().__init__(cache, layer_idx)
+    quantized = True
+
+    def __init__(self, config: VaseConfig, budget: int, schedule: Schedule, workspace: Workspace):
+        self.config, self.budget, self.schedule, self.workspace = config, budget, schedule, workspace
+        self.work = DenseStorage()  # the dense operations, over the workspace
         self._moved = None
         self._factor_set: list[bool] = []
-        for name in _STORES:
+        self._capacity = 0
+        for name in (*_STORES, "qmask", "protected"):
             setattr(self, name, None)
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.work.keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.work.values
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def _qlimit(self) -> list[int]:
+        return self.schedule.qlimit[: self.batch]
+
+    def _fill(self) -> list[int]:
+        return self.schedule.fill[: self.batch]
+
     # ----------------------------------------------------------------------------------------------- allocation
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        group = self.cache.kv_group
-        if key_states.shape[-1] % group or value_states.shape[-1] % group:
+    def check(self, head_dim: int, v_dim: int) -> None:
+        """Raises a clear ValueError when ``kv_group`` does not divide the head dim."""
+        group = self.config.kv_group
+        if head_dim % group or v_dim % group:
             raise ValueError(
-                f"kv_group {group} does not divide the head dim ({key_states.shape[-1]}): use kv_group "
-                f"{min(group, key_states.shape[-1] & -key_states.shape[-1])} or another power of two dividing it"
+                f"kv_group {group} does not divide the head dim ({head_dim}): use kv_group "
+                f"{min(group, head_dim & -head_dim)} or another power of two dividing it"
             )
-        super().lazy_initialization(key_states, value_states)
 
     def _sizes(self, capacity: int) -> tuple[int, int]:
         """``(L, P)``: quantized slots and guard full-precision slots for ``capacity`` logical slots."""
-        c = self.cache
+        c = self.config
         lim = capacity - c.buffer if c.policy.evicts else capacity
         if c.protect_precision != "guard":
             return lim, 0
-        share_of = c.layer_budgets[self.layer_idx] if c.policy.evicts else lim
+        share_of = self.budget if c.policy.evicts else lim
         return lim, min(quant.protected_slots(c.policy.guard, share_of, c.sinks), lim)
 
-    def _allocate(self, capacity: int, dtype: torch.dtype, v_dim: int) -> None:
-        c = self.cache
-        b, h, dev, d = self.batch_size, self.num_heads, self.device, self.head_dim
+    def allocate(self, batch: int, heads: int, capacity: int, head_dim: int, v_dim: int, dtype, device) -> None:
+        self.check(head_dim, v_dim)
+        c = self.config
+        self.batch, self.heads, self.head_dim, self.v_dim, self.device = batch, heads, head_dim, v_dim, device
+        b, h, dev, d = batch, heads, device, head_dim
         bits, group = c.kv_bits, c.kv_group
         lim, p = self._sizes(capacity)
         self.kq = torch.zeros((b, h, lim, d * bits // 8), dtype=torch.uint8, device=dev)
@@ -164,27 +153,24 @@ class QuantizedLayer(EvictingLayer):
         self.fp_v = torch.zeros((b, h, p + c.buffer, v_dim), dtype=dtype, device=dev)
         self.qmask = torch.zeros((b, h, lim), dtype=torch.bool, device=dev)
         self.protected = torch.zeros((b, h, p), dtype=torch.long, device=dev)
-        self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
-        self.state = {n: torch.zeros((b, h, capacity), dtype=torch.float32, device=dev) for n in c.policy.state_names}
-        self.row_memo = {"acc_upto": torch.full((b,), -1, dtype=torch.long, device=dev)}
         self._factor_set = [False] * b
-        self._bind(capacity, dtype, v_dim)
+        self._capacity = capacity
+        self._bind()
 
-    def _bind(self, capacity: int, dtype: torch.dtype, v_dim: int) -> None:
-        """Point ``keys`` / ``values`` at ``capacity`` slots of the cache's shared workspace."""
-        ws = self.cache._workspace_for(
-            (self.batch_size, self.num_heads, capacity, self.head_dim), v_dim, dtype, self.device
-        )
-        self.keys, self.values = ws[0][:, :, :capacity], ws[1][:, :, :capacity]
+    def _bind(self) -> None:
+        """Point the dense operations at ``capacity`` slots of the shared workspace."""
+        cap = self._capacity
+        ws = self.workspace.get((self.batch, self.heads, cap, self.head_dim), self.v_dim, self.fp_k.dtype, self.device)
+        self.work.keys, self.work.values = ws[0][:, :, :cap], ws[1][:, :, :cap]
 
-    def _grow(self, capacity: int) -> None:
+    def grow(self, capacity: int, step: ForwardStep | None = None) -> None:
         """Only for the ``full`` policy: larger stores, the entries kept where they are (the recent full-precision
         ones move behind the larger guard region)."""
-        old = {n: getattr(self, n) for n in (*_STORES, "qmask", "protected", "positions")}
-        state, factor = self.state, self._factor_set
+        old = {n: getattr(self, n) for n in (*_STORES, "qmask", "protected")}
+        factor = self._factor_set
         p_old = old["protected"].shape[2]
-        self._allocate(capacity, old["fp_k"].dtype, old["fp_v"].shape[-1])
-        for n in ("kq", "ks", "kz", "vq", "vs", "vz", "qmask", "positions"):
+        self.allocate(self.batch, self.heads, capacity, self.head_dim, self.v_dim, old["fp_k"].dtype, self.device)
+        for n in (*_CODES, "qmask"):
             getattr(self, n)[:, :, : old[n].shape[2]] = old[n]
         self.kf.copy_(old["kf"])
         self._factor_set = factor
@@ -193,58 +179,72 @@ class QuantizedLayer(EvictingLayer):
             new = getattr(self, n)
             new[:, :, :p_old] = old[n][:, :, :p_old]
             new[:, :, p_new:] = old[n][:, :, p_old:]
-        q = torch.tensor(self.cache._qlimit, dtype=torch.long, device=self.device).view(-1, 1, 1)
+        q = torch.tensor(self._qlimit(), dtype=torch.long, device=self.device).view(-1, 1, 1)
         self.protected[:] = q
         self.protected[:, :, :p_old] = old["protected"]
-        for k, v in state.items():
-            self.state[k][:, :, : v.shape[2]] = v
 
-    @property
-    def capacity(self) -> int:
-        return self.positions.shape[2] if self.is_initialized else 0
-
-    def storage_bytes(self) -> int:
+    def nbytes(self) -> int:
         """Bytes this layer stores: packed codes, float16 steps and minima, key channel factors, the full-precision
         store (the guard's entries and the recent tokens). The workspace is the cache's (``bytes_workspace``)."""
         return sum(getattr(self, n).nbytes for n in _STORES if getattr(self, n) is not None)
 
-    def live_bytes(self) -> int:
+    def entry_bytes(self) -> int:
+        """Bytes of one token's key and value in one KV head at full precision."""
+        return (self.head_dim + self.v_dim) * self.fp_k.element_size()
+
+    def live_bytes(self, positions: torch.Tensor) -> int:
         """Bytes of the entries holding a token now: quantized ones at their codes and scales, the others at full
         precision."""
-        if not self.is_initialized:
-            return 0
         b, h, lim = self.qmask.shape
-        per_q = sum(getattr(self, n).nbytes for n in ("kq", "ks", "kz", "vq", "vs", "vz")) // max(b * h * lim, 1)
-        per_fp = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+        per_q = sum(getattr(self, n).nbytes for n in _CODES) // max(b * h * lim, 1)
         n_q = int(self.qmask.sum())
-        return n_q * per_q + (int((self.positions >= 0).sum()) - n_q) * per_fp
+        return n_q * per_q + (int((positions >= 0).sum()) - n_q) * self.entry_bytes()
+
+    # --------------------------------------------------------------------------------------- dense operations
+    def append(self, step, k, v):
+        return self.work.append(step, k, v)
+
+    def staged(self, step, k, v):
+        return self.work.staged(step, k, v)
+
+    def rows(self, rows):
+        return self.work.rows(rows)
+
+    def put_front(self, step, rows, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The dense write into the workspace; remembers where each kept entry came from (:meth:`after`)."""
+        self.work.put_front(step, rows, idx, k, v)
+        self._moved = (rows, idx, self._capacity if step.append else step.p_old)
+
+    def put_span(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.work.put_span(start, k, v)
 
     # ------------------------------------------------------------------------------------------ dequantization
-    def _ready(self, step) -> None:
+    def before(self, step: ForwardStep) -> None:
         """Dequantize this layer's entries into the workspace (slots ``[0, fill)`` of each row)."""
-        c = self.cache
-        self._bind(self.capacity, self.fp_k.dtype, self.fp_v.shape[-1])
-        if not c._fill or max(c._fill) == 0:
+        self._bind()
+        fill = self._fill()
+        if not fill or max(fill) == 0:
             return
         t0 = time.perf_counter()
         with record_function("vase.dequantize"):
             self._dequantize_into(self.keys, self.values)
-        c._dequant_seconds += time.perf_counter() - t0
+        self.workspace.dequant_seconds += time.perf_counter() - t0
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values as attention sees them, ``[B, H, capacity, D]`` (new tensors, model dtype;
-        slots past a row's fill hold no token): for tests and inspection (``self.keys`` is the shared workspace)."""
+        slots past a row's fill hold no token): for tests and inspection (``keys`` is the shared workspace)."""
         keys = torch.zeros_like(self.keys)
         values = torch.zeros_like(self.values)
-        if self.cache._fill and max(self.cache._fill):
+        fill = self._fill()
+        if fill and max(fill):
             self._dequantize_into(keys, values)
         return keys, values
 
     def _dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        c = self.cache
-        qmax = min(max(c._qlimit), self.kq.shape[2])
+        qlimit = self._qlimit()
+        qmax = min(max(qlimit), self.kq.shape[2])
         if qmax:
-            bits = c.kv_bits
+            bits = self.config.kv_bits
             k = quant.dequantize(self.kq[:, :, :qmax], self.ks[:, :, :qmax], self.kz[:, :, :qmax], bits)
             keys[:, :, :qmax] = k * self.kf.unsqueeze(2)
             values[:, :, :qmax] = quant.dequantize(
@@ -255,7 +255,7 @@ class QuantizedLayer(EvictingLayer):
             idx = self.protected.unsqueeze(-1)
             keys.scatter_(2, idx.expand(-1, -1, -1, keys.shape[-1]), self.fp_k[:, :, :p])
             values.scatter_(2, idx.expand(-1, -1, -1, values.shape[-1]), self.fp_v[:, :, :p])
-        self._copy_recent(c._qlimit, c._fill, to_workspace=True, out=(keys, values))
+        self._copy_recent(qlimit, self._fill(), to_workspace=True, out=(keys, values))
 
     def _copy_recent(self, qlimit: list[int], fills: list[int], to_workspace: bool, rows=None, out=None) -> None:
         """Move each row's recent tokens (logical slots ``[qlimit, fill)``) between the full-precision store (from
@@ -279,22 +279,16 @@ class QuantizedLayer(EvictingLayer):
                     fp[r, ..., p : p + n, :] = ws[r, ..., q : q + n, :]
 
     # ---------------------------------------------------------------------------------------------- storage
-    def _write(self, step, rows, idx: torch.Tensor, keep, keys, values, positions, state) -> None:
-        """The base write into the workspace; remembers where each kept entry came from (:meth:`_stored`)."""
-        super()._write(step, rows, idx, keep, keys, values, positions, state)
-        self._moved = (rows, idx, self.capacity if step.append else step.p_old)
-
-    def _stored(self, step) -> None:
+    def after(self, step: ForwardStep) -> None:
         """Store what this forward pass changed: the new token of each row in the full-precision store, and, for the
         rows that evicted, quantized their recent tokens or took several tokens, their whole layout again."""
-        c = self.cache
         moved, self._moved = self._moved, None
-        b = self.positions.shape[0]
+        b = self.batch
         if step.append:
             whole = set(step.evict_rows) | set(step.flush_rows)
             others = [i for i in range(b) if i not in whole]
             if others:
-                self._copy_recent(c._qlimit, step.keep, to_workspace=False, rows=others)
+                self._copy_recent(self._qlimit(), step.keep, to_workspace=False, rows=others)
             rows = sorted(whole)
         else:
             rows = list(range(b))
@@ -302,13 +296,13 @@ class QuantizedLayer(EvictingLayer):
             t0 = time.perf_counter()
             with record_function("vase.quantize"):
                 self._store_rows(step, rows, moved)
-            c._quant_seconds += time.perf_counter() - t0
+            self.workspace.quant_seconds += time.perf_counter() - t0
 
     def _move(self, step, rows: list[int], moved) -> torch.Tensor:
         """Move the quantized entries of the rows a write gathered (a compaction, a multi-token step) to their new
         logical slots, codes and scales unchanged; returns ``[r, H, L]`` bool: which logical slots of ``rows`` now hold
         the codes of an entry quantized before."""
-        h, lim = self.num_heads, self.qmask.shape[2]
+        h, lim = self.heads, self.qmask.shape[2]
         rt = torch.tensor(rows, dtype=torch.long, device=self.device)
         from_q = self.qmask.index_select(0, rt)
         if moved is None:
@@ -316,7 +310,7 @@ class QuantizedLayer(EvictingLayer):
                 from_q.zero_()
             return from_q
         w_rows, idx, n_old = moved
-        at = {row: k for k, row in enumerate(range(self.positions.shape[0]) if w_rows is None else w_rows)}
+        at = {row: k for k, row in enumerate(range(self.batch) if w_rows is None else w_rows)}
         sel = [k for k, row in enumerate(rows) if row in at]
         if not sel:
             return from_q
@@ -325,14 +319,14 @@ class QuantizedLayer(EvictingLayer):
         ix = idx.index_select(0, torch.tensor([at[rows[k]] for k in sel], dtype=torch.long, device=self.device))
         w = min(ix.shape[2], lim)
         ix = ix[:, :, :w]
-        was_q = torch.zeros((len(sel), h, max(self.capacity + step.q, lim)), dtype=torch.bool, device=self.device)
+        was_q = torch.zeros((len(sel), h, max(self._capacity + step.q, lim)), dtype=torch.bool, device=self.device)
         n = min(n_old, lim)
         was_q[:, :, :n] = from_q.index_select(0, st)[:, :, :n]
         moved_q = torch.zeros((len(sel), h, lim), dtype=torch.bool, device=self.device)
         moved_q[:, :, :w] = was_q.gather(2, ix)
         from_q.index_copy_(0, st, moved_q)
         src = ix.clamp(max=lim - 1).unsqueeze(-1)
-        for name in ("kq", "ks", "kz", "vq", "vs", "vz"):
+        for name in _CODES:
             t = getattr(self, name)
             held = t.index_select(0, src_rows)
             held[:, :, :w] = held.gather(2, src.expand(-1, -1, -1, t.shape[-1]))
@@ -343,12 +337,12 @@ class QuantizedLayer(EvictingLayer):
         """Store ``rows`` from the workspace after a compaction, a quantization of recent tokens or a multi-token
         step: entries below the row's new limit are quantized (those quantized before keep their codes, moved with
         them), the guard's largest stay in full precision, the recent ones go to the full-precision store."""
-        c = self.cache
-        lim, p, h = self.qmask.shape[2], self.protected.shape[2], self.num_heads
+        c = self.config
+        lim, p, h = self.qmask.shape[2], self.protected.shape[2], self.heads
         q_new = [step.qlimit[i] for i in rows]
         from_q = self._move(step, rows, moved)
         rt = torch.tensor(rows, dtype=torch.long, device=self.device)
-        whole = len(rows) == self.positions.shape[0]
+        whole = len(rows) == self.batch
         keys, values = (self.keys, self.values) if whole else (self.keys[rt], self.values[rt])
         qn = torch.tensor(q_new, dtype=torch.long, device=self.device)
         slot = torch.arange(lim, device=self.device).view(1, 1, lim)
@@ -387,15 +381,15 @@ class QuantizedLayer(EvictingLayer):
             self.protected[rt] = idx
             for ws, fp in ((keys, self.fp_k), (values, self.fp_v)):
                 fp[rt, :, :p] = ws.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, ws.shape[-1]))
-        full_q = list(c._qlimit) if c._qlimit else [0] * self.positions.shape[0]
-        full_f = list(c._fill) if c._fill else [0] * self.positions.shape[0]
+        full_q, full_f = list(self._qlimit()), list(self._fill())
         for k, row in enumerate(rows):
             full_q[row], full_f[row] = q_new[k], step.keep[row]
         self._copy_recent(full_q, full_f, to_workspace=False, rows=rows)
 
     def reset(self) -> None:
-        super().reset()
         for name in (*_STORES, "qmask", "protected"):
             setattr(self, name, None)
+        self.work.reset()
         self._factor_set = []
         self._moved = None
+        self._capacity = 0

@@ -1,18 +1,22 @@
-"""The plan of one forward pass through an :class:`~vase.EvictingCache`: computed once at its first evicting layer
-and executed by every evicting layer (they all see the same tokens on the same schedule).
+"""One forward pass through an :class:`~vase.EvictingCache`: :class:`ForwardStep`, planned once, run by every layer.
 
-Host-side bookkeeping (fills, counts, rows that evict) plus the small device tensors derived from it (new positions,
-slot validity, the attention mask over physical slots), each uploaded once per step.
+The sequence model's decision for the step (:class:`vase.core.schedule.StepSchedule`: fills, who evicts, where the
+saved queries go) plus what transformers' padded layout adds: ``q`` columns per row, some of them padding (a ragged
+prefill or chat continuation), a decode token written in place or several tokens staged, and the small device
+tensors derived from them (new positions, slot validity, the attention mask over physical slots), each uploaded once
+per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..core.masks import mask_in_kind
+from ..core.ring import RingWrite
+from ..core.schedule import StepSchedule
 
 
 def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -24,35 +28,89 @@ def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 @dataclass
-class StepPlan:
-    """The plan of one forward pass, computed once and executed by every layer."""
+class ForwardStep:
+    """The plan of one forward pass, computed at its first evicting layer and executed by every evicting layer.
 
+    Attributes:
+        schedule: the sequence model's step (rows ``0 .. B-1`` in batch order).
+        q: columns per row (new tokens, padding included).
+        append: one token per row, written in place (a decode step); else staged: attended over the held entries
+            and the new ones together, then written packed.
+        new_valid: ``[B, q]`` bool, which columns are real tokens (None: all).
+        uniform: every row has the same fill and no padding (no mask needed for a decode step).
+        seen_before: the cache's logical length before the step (padding columns included).
+        capacity: slots allocated per row after the step.
+        ring: where the step's saved queries go (None: the policy saves none).
+        on_done: called once the last evicting layer is done (the cache commits the step).
+    """
+
+    schedule: StepSchedule
     q: int
-    append: bool  # one token per row written in place; else staged (attend over old + new, then write packed)
-    fill_before: list[int]
-    counts: list[int]  # real new tokens per row
-    keep: list[int]  # filled slots per row after this step
-    evict_rows: list[int]
+    append: bool
+    new_valid: torch.Tensor | None
+    uniform: bool
     seen_before: int
-    real_before: list[int]  # real tokens each row had seen: the logical position of its next token
-    new_valid: torch.Tensor | None  # [B, q] bool, None = all real
-    uniform: bool  # all rows have the same fill and no padding: no mask needed
     device: torch.device
     capacity: int
+    ring: RingWrite | None = None
+    on_done: Callable[[ForwardStep], None] | None = None
+    layers: int = 1
     layers_done: int = 0
-    qlimit: list[int] | None = None  # kv_bits: logical slots below which each row's entries are quantized after it
-    flush_rows: list[int] = field(default_factory=list)  # kv_bits: rows quantizing their recent tokens, no eviction
     _memo: dict = field(default_factory=dict)
+
+    # the schedule's lists, under the names the layers read
+    @property
+    def fill_before(self) -> list[int]:
+        return self.schedule.fill_before
+
+    @property
+    def counts(self) -> list[int]:
+        """Real new tokens per row."""
+        return self.schedule.counts
+
+    @property
+    def keep(self) -> list[int]:
+        """Filled slots per row after this step."""
+        return self.schedule.keep
+
+    @property
+    def evict_rows(self) -> list[int]:
+        return self.schedule.evict
+
+    @property
+    def real_before(self) -> list[int]:
+        """Real tokens each row had seen: the logical position of its next token."""
+        return self.schedule.seen_before
+
+    @property
+    def qlimit(self) -> list[int] | None:
+        """``kv_bits``: logical slots below which each row's entries are quantized after the step."""
+        return self.schedule.qlimit
+
+    @property
+    def flush_rows(self) -> list[int]:
+        """``kv_bits``: rows quantizing their recent tokens without evicting."""
+        return self.schedule.flush
 
     @property
     def p_old(self) -> int:
         return max(self.fill_before) if self.fill_before else 0
+
+    def layer_done(self) -> None:
+        """Called by each evicting layer after its attention; the last one commits the step."""
+        self.layers_done += 1
+        if self.layers_done == self.layers and self.on_done is not None:
+            self.on_done(self)
 
     def tensor(self, name, values: Sequence[int]) -> torch.Tensor:
         """``values`` as an int64 tensor on the step's device, uploaded once per step under ``name``."""
         if name not in self._memo:
             self._memo[name] = upload(values, self.device)
         return self._memo[name]
+
+    def rows_tensor(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an int64 tensor on the step's device (once per step and row set)."""
+        return self.tensor(("rows", tuple(rows)), rows)
 
     def new_positions(self) -> torch.Tensor:
         """``[B, q]`` int64 logical position of each new token in its row (padding repeats its neighbour's)."""
@@ -67,7 +125,32 @@ class StepPlan:
 
     def latest_positions(self) -> torch.Tensor:
         """``[B]`` logical position of each row's newest token after this step."""
-        return self.tensor("latest", [r + c - 1 for r, c in zip(self.real_before, self.counts)])
+        return self.tensor("latest", self.schedule.latest)
+
+    def ring_values(self, query: torch.Tensor) -> torch.Tensor:
+        """The step's saved queries out of ``query`` ``[B, q_heads, q, D]``, in the layout of :attr:`ring`."""
+        ring = self.ring
+        if ring.kind == "column":
+            return query[:, :, -1:]
+        if ring.kind == "block":
+            return query[:, :, -ring.index.numel() :]
+        if "ring_src" not in self._memo:
+            if self.new_valid is None:  # no padding: a row's k-th new token is column k
+                src_r, src_c = ring.step_rows, ring.offsets
+            else:
+                real = self.new_valid.nonzero()  # [N, 2] (row, column), by row then column
+                start = [0]
+                for c in self.counts[:-1]:
+                    start.append(start[-1] + c)
+                at = upload([start[i] + o for i, o in zip(ring.step_rows, ring.offsets)], self.device)
+                picked = real.index_select(0, at)
+                src_r, src_c = picked[:, 0], picked[:, 1]
+            self._memo["ring_src"] = (
+                torch.as_tensor(src_r, dtype=torch.long, device=self.device),
+                torch.as_tensor(src_c, dtype=torch.long, device=self.device),
+            )
+        rows, cols = self._memo["ring_src"]
+        return query[rows, :, cols]
 
     def kv_valid(self) -> torch.Tensor | None:
         """``[B, kv_len]`` bool validity of the key/value slots the attention kernel sees this step."""

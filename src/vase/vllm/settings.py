@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..core.config import VaseConfig
 from ..core.policies import parse_policy_spec
+from ..core.schedule import first_limit
 
 SCHEDULER_CLS = "vase.vllm.scheduler.VaseScheduler"
 WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
@@ -90,13 +91,13 @@ class EngineSettings:
         return self.cap_blocks * self.block_size
 
     def first_limit(self, prompt_tokens: int) -> int:
-        """Fill at which a request whose prompt has ``prompt_tokens`` tokens first evicts: ``budget + buffer``, or with
-        a dense prompt (``compress_prompt=False``, ``vase:preset=paper``) the first multiple of the buffer above the
-        prompt, at least ``budget + buffer`` (as :meth:`vase.hf.schedule.ScheduleMixin._first_limit`)."""
+        """Fill at which a request whose prompt has ``prompt_tokens`` tokens first evicts: the sequence model's
+        :func:`vase.core.schedule.first_limit` (``budget + buffer``, or with a dense prompt, ``compress_prompt=False``
+        as ``vase:preset=paper``, the first multiple of the buffer above the prompt, at least ``budget + buffer``)."""
         c = self.config
-        if c.compress_prompt:
-            return self.limit
-        return max(c.budget, (prompt_tokens // c.buffer) * c.buffer) + c.buffer
+        return first_limit(
+            prompt_tokens, budget=c.budget, buffer=c.buffer, evicts=c.policy.evicts, compress_prompt=c.compress_prompt
+        )
 
     def request_cap_tokens(self, prompt_tokens: int, max_len: int) -> int:
         """Token slots (whole blocks) a request may hold: the cap, or with a dense prompt its first limit; never more

@@ -1,20 +1,14 @@
-"""Worker-side state: each request's eviction state, and the plan of one engine step.
+"""Worker-side state: each request's row in the sequence model, and the plan of one engine step.
 
-One :class:`WorkerState` per worker process, created by the worker when vase is configured. It holds, per request
-(a row of a pool of tables, grown by doubling up to ``max_num_seqs`` rows, never shrunk):
-
-* ``fill``: the physical length (entries held in its blocks); ``evictions``: how many it had; ``row_key``: its
-  random key (:func:`vase.core.rng.row_key` of its seed), so sampled eviction depends on the request alone;
-* ``positions`` ``[L, rows, H_kv, cap]`` int64: the logical position of each held slot per layer and KV head (heads
-  keep different tokens). Before a request's first eviction slot ``i`` holds position ``i`` (nothing was moved yet),
-  so the table is only needed up to the steady cap, also for a dense prompt that holds more;
-* ``state[name]`` ``[L, rows, H_kv, cap]`` float32: the policy's per-slot state (``policy.state_names``: H2O's
-  ``acc``, VaSE's slot ``order``), moved with its entries; ``memo`` ``[L, rows]`` int64: H2O's ``acc_upto``;
-* the query ring ``[L, rows, H_q, window, D]`` (model dtype): the last ``window`` post-RoPE queries of the request,
-  with their logical positions and validity ``[rows, window]`` (the same for every layer).
+One :class:`WorkerState` per worker process, created by the worker when vase is configured. Each running request
+has a row of the sequence model (:class:`vase.core.sequence.Sequences`: its schedule, its slot tables per layer and KV
+head, its saved queries, its random key), taken from a pool of rows grown by doubling up to ``max_num_seqs`` and
+never shrunk. The tables are as wide as the steady cap (``budget + buffer`` in whole blocks): before a request's first
+eviction slot ``i`` holds position ``i`` (nothing was moved yet), so a dense prompt holding more needs no wider table
+(:meth:`vase.core.tables.RowTables.held`).
 
 The scheduler and the worker share no data at run time: the worker reproduces each request's physical fill from the
-token counts it is given each step (``fill += n``; a fill reaching the limit becomes ``budget``).
+token counts it is given each step (the schedule's ``fill += n``; a fill reaching the limit becomes ``budget``).
 """
 
 from __future__ import annotations
@@ -25,7 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..core import rng
+from ..core.ring import RingWrite
+from ..core.schedule import StepSchedule
+from ..core.sequence import Sequences
 from .settings import EngineSettings
 
 # vLLM configures the loggers under "vllm" only: a child of it prints with vLLM's format, in the worker's process
@@ -36,19 +32,22 @@ ACTIVE: WorkerState | None = None
 
 
 @dataclass
-class StepPlan:
-    """What one engine step does, per batch row ``r`` (the runner's ``input_batch`` order) and per new token.
+class PagedStep:
+    """What one engine step does in the paged cache, per batch row ``r`` (the runner's ``input_batch`` order) and per
+    new token: the sequence model's step plus the physical layout.
 
-    Row arrays (numpy, ``[R]``): ``n`` new tokens, ``logical_before`` (RoPE position of the first new token),
-    ``fill_before`` / ``fill_after`` (physical), ``keep`` (physical after the step), ``evict`` (bool: the row is
-    compacted back to ``budget`` after this step's attention), ``dense`` (bool: the row's entries do not fit in its
-    blocks, so it is attended outside the paged cache and compressed), ``qsl`` ``[R+1]`` query start locations.
-    Tensors: ``rows`` ``[R]`` pool rows; ``block_rows`` ``[R, nb]`` block ids; ``seq_lens`` ``[R]`` int32 for the
-    kernel (physical; ``n`` for dense rows, which the kernel runs over the null block and whose output is replaced);
-    ``slot_mapping`` ``[T]`` int64 physical slots (-1 for dense rows: not written); ``positions`` ``[T]`` logical;
-    ``ring_tok``, ``ring_row``, ``ring_slot``: which new queries go to which ring entry.
+    ``schedule``: the sequence model's step (its rows are the pool rows, in batch order). Row arrays (numpy, ``[R]``):
+    ``n`` new tokens, ``logical_before`` (RoPE position of the first new token), ``fill_before`` / ``fill_after``
+    (physical), ``keep`` (physical after the step), ``evict`` (bool: the row is compacted back to ``budget`` after this
+    step's attention), ``dense`` (bool: the row's entries do not fit in its blocks, so it is attended outside the
+    paged cache and compressed), ``qsl`` ``[R+1]`` query start locations. Tensors: ``rows`` ``[R]`` pool rows;
+    ``block_rows`` ``[R, nb]`` block ids; ``seq_lens`` ``[R]`` int32 for the kernel (physical; ``n`` for dense rows,
+    which the kernel runs over the null block and whose output is replaced); ``slot_mapping`` ``[T]`` int64 physical
+    slots (-1 for dense rows: not written); ``positions`` ``[T]`` logical. ``ring``: where the step's saved queries go
+    (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the token of each.
     """
 
+    schedule: StepSchedule
     num_reqs: int
     req_ids: list
     rows: torch.Tensor
@@ -64,14 +63,13 @@ class StepPlan:
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
+    ring: RingWrite | None = None
     ring_tok: torch.Tensor | None = None
-    ring_row: torch.Tensor | None = None
-    ring_slot: torch.Tensor | None = None
     cache: dict = field(default_factory=dict)  # tensors shared by the layers of this step (built on first use)
 
 
 class WorkerState:
-    """Per-request eviction state of one worker (see the module docstring).
+    """The requests of one worker in the sequence model (see the module docstring).
 
     Args:
         settings: the engine's vase settings.
@@ -84,20 +82,10 @@ class WorkerState:
         self.row_of: dict[str, int] = {}
         self.capacity = 0
         self.free_rows: list[int] = []
-        self.fill = np.zeros(0, dtype=np.int64)
-        self.evictions = np.zeros(0, dtype=np.int64)
-        self.row_key = np.zeros(0, dtype=np.int64)
-        self.limit = np.zeros(0, dtype=np.int64)  # fill of the next eviction
-        self.ring_next = np.zeros(0, dtype=np.int64)
         self.layer_index: dict[str, int] = {}
         self.dims: tuple | None = None
-        self.positions: torch.Tensor | None = None
-        self.state: dict[str, torch.Tensor] = {}
-        self.memo: torch.Tensor | None = None
-        self.ring: torch.Tensor | None = None
-        self.ring_pos: torch.Tensor | None = None
-        self.ring_valid: torch.Tensor | None = None
-        self.plan: StepPlan | None = None
+        self.seq: Sequences | None = None
+        self.plan: PagedStep | None = None
         self.stats = {
             "steps": 0,
             "admitted": 0,
@@ -115,36 +103,41 @@ class WorkerState:
         }
 
     # ------------------------------------------------------------------------------------------------ tables
-    def allocate(self, layer_names: list[str], kv_heads: int, q_heads: int, head_dim: int, dtype) -> None:
-        """Set the layers (in model order) and the shapes; the tables are made for the first rows."""
+    def allocate(
+        self,
+        layer_names: list[str],
+        kv_heads: int,
+        q_heads: int,
+        head_dim: int,
+        dtype,
+        layer_ids: list[int] | None = None,
+    ) -> None:
+        """Set the layers (in model order; ``layer_ids``: their model indices, which key the random choices, default
+        ``0 .. L-1``) and the shapes; the tables are made for the first rows."""
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.dims = (len(layer_names), kv_heads, q_heads, head_dim, dtype)
+        ids = list(range(len(layer_names))) if layer_ids is None else list(layer_ids)
+        self.seq = Sequences(self.s.config, ids)
         self._grow(min(self.max_reqs, 16))
 
     def _grow(self, capacity: int) -> None:
-        """Tables for ``capacity`` rows, the old rows copied over (a doubling: rare, amortized)."""
+        """Room for ``capacity`` rows, the old rows copied over (a doubling: rare, amortized)."""
         L, h, hq, d, dtype = self.dims
-        old = self.capacity
-        width, window = self.s.cap_tokens, self.s.config.window
-
-        def grown(t: torch.Tensor | None, shape, fill, dim: int, dt) -> torch.Tensor:
-            new = torch.full(shape, fill, dtype=dt)
-            if t is not None:
-                new.narrow(dim, 0, old).copy_(t)
-            return new
-
-        self.positions = grown(self.positions, (L, capacity, h, width), -1, 1, torch.int64)
-        names = self.s.config.policy.state_names
-        self.state = {n: grown(self.state.get(n), (L, capacity, h, width), 0.0, 1, torch.float32) for n in names}
-        self.memo = grown(self.memo, (L, capacity), -1, 1, torch.int64)
-        if window:
-            self.ring = grown(self.ring, (L, capacity, hq, window, d), 0.0, 1, dtype)
-            self.ring_pos = grown(self.ring_pos, (capacity, window), -1, 0, torch.int64)
-            self.ring_valid = grown(self.ring_valid, (capacity, window), False, 0, torch.bool)
-        for name in ("fill", "evictions", "row_key", "limit", "ring_next"):
-            arr = np.zeros(capacity, dtype=np.int64)
-            arr[:old] = getattr(self, name)
-            setattr(self, name, arr)
+        seq, old = self.seq, self.capacity
+        for layer in range(L):
+            if seq.tables.allocated(layer):
+                seq.tables.grow(layer, rows=capacity)
+            else:
+                seq.tables.allocate(layer, capacity, h, self.s.cap_tokens, "cpu")
+        seq.schedule.resize(capacity)
+        seq.tables.reserve(capacity)
+        if seq.ring is not None:
+            if seq.ring.positions is None:
+                seq.ring.prepare(capacity, "cpu")
+                for layer in range(L):
+                    seq.ring.allocate(layer, hq, d, dtype, "cpu")
+            else:
+                seq.ring.grow(capacity)
         self.free_rows = list(range(capacity - 1, old - 1, -1)) + self.free_rows
         self.capacity = capacity
 
@@ -161,18 +154,7 @@ class WorkerState:
         self.row_of[req_id] = r
         extra = getattr(sampling_params, "extra_args", None) or {}
         seed = extra.get("vase_seed", getattr(sampling_params, "seed", None))
-        self.row_key[r] = rng.row_key(0 if seed is None else int(seed))
-        self.fill[r] = 0
-        self.evictions[r] = 0
-        self.limit[r] = self.s.first_limit(prompt_tokens)
-        self.ring_next[r] = 0
-        self.positions[:, r] = -1
-        for t in self.state.values():
-            t[:, r] = 0.0
-        self.memo[:, r] = -1
-        if self.ring is not None:
-            self.ring_pos[r] = -1
-            self.ring_valid[r] = False
+        self.seq.admit(r, prompt_tokens, 0 if seed is None else int(seed))
         self.stats["admitted"] += 1
         self.stats["live_max"] = max(self.stats["live_max"], len(self.row_of))
 
@@ -185,28 +167,27 @@ class WorkerState:
 
     def seed_of(self, req_id: str) -> int:
         """The random key of a live request (tests)."""
-        return int(self.row_key[self.row_of[req_id]])
+        return int(self.seq.tables.row_keys[self.row_of[req_id]])
+
+    def limit_of(self, req_id: str) -> int:
+        """The fill at which a live request evicts next (tests)."""
+        return self.seq.schedule.limit(self.row_of[req_id])
 
     # ---------------------------------------------------------------------------------------------- commit
     def commit(self) -> None:
-        """After a step's forward: fills, eviction counts, ring pointers and limits move on."""
+        """After a step's forward: the sequence model moves on (fills, eviction counts, ring pointers, limits)."""
         p = self.plan
         if p is None:
             return
         self.plan = None
-        rows = p.rows.numpy()
-        self.fill[rows] = p.keep
-        ev = rows[p.evict]
-        self.evictions[ev] += 1
-        self.limit[ev] = self.s.limit  # after the first eviction every request evicts at budget + buffer
-        if self.ring is not None:
-            self.ring_next[rows] = (self.ring_next[rows] + np.minimum(p.n, self.s.config.window)) % self.s.config.window
+        self.seq.commit(p.schedule, p.ring)
         st = self.stats
-        if ev.size and not st["rows_evicted"]:
+        n_ev = int(p.evict.sum())
+        if n_ev and not st["rows_evicted"]:
             logger.info(
-                "vase: first eviction (%d request(s) back to %d entries per layer and KV head)", ev.size, self.s.budget
+                "vase: first eviction (%d request(s) back to %d entries per layer and KV head)", n_ev, self.s.budget
             )
         st["steps"] += 1
-        st["rows_evicted"] += int(p.evict.sum())
+        st["rows_evicted"] += n_ev
         st["dense_rows"] += int(p.dense.sum())
         st["max_fill"] = max(st["max_fill"], int(p.fill_after[~p.dense].max(initial=0)))

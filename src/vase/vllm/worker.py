@@ -79,7 +79,12 @@ class VaseCPUModelRunner(CPUModelRunner):
         names = sorted(groups[0].layer_names, key=extract_layer_index)
         mc, pc = self.model_config, self.parallel_config
         self.vase_state.allocate(
-            names, mc.get_num_kv_heads(pc), mc.get_num_attention_heads(pc), mc.get_head_size(), mc.dtype
+            names,
+            mc.get_num_kv_heads(pc),
+            mc.get_num_attention_heads(pc),
+            mc.get_head_size(),
+            mc.dtype,
+            layer_ids=[extract_layer_index(name) for name in names],
         )
         logger.info("vase: %s; %d layers", self.vase_state.s.describe(), len(names))
 
@@ -111,10 +116,11 @@ class VaseCPUModelRunner(CPUModelRunner):
             self.vase_state.stats["t_step"] += time.perf_counter() - t
             self.vase_state.commit()
 
-    def _vase_plan(self, num_scheduled_tokens: np.ndarray) -> st.StepPlan:
-        """The plan of this step (see :class:`vase.vllm.state.StepPlan`)."""
+    def _vase_plan(self, num_scheduled_tokens: np.ndarray) -> st.PagedStep:
+        """The plan of this step (see :class:`vase.vllm.state.PagedStep`): the sequence model's step for the batch's
+        rows, and where its tokens go in the paged cache."""
         s = self.vase_state
-        cfg = s.s.config
+        seq = s.seq
         R = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:R])
         rows = np.array([s.row_of[r] for r in req_ids], dtype=np.int64)
@@ -122,14 +128,16 @@ class VaseCPUModelRunner(CPUModelRunner):
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         logical_before = self.input_batch.num_computed_tokens_cpu[:R].astype(np.int64)
+        schedule = seq.schedule.plan(rows.tolist(), n.tolist(), seen_before=logical_before.tolist())
         bt = self.input_batch.block_table[0]
         bs = bt.block_size
         held = bt.num_blocks_per_row[:R].astype(np.int64)
         s.stats["max_blocks_per_row"] = max(s.stats["max_blocks_per_row"], int(held.max(initial=0)))
-        fill_before = s.fill[rows]
+        fill_before = np.asarray(schedule.fill_before, dtype=np.int64)
         fill_after = fill_before + n
-        evict = fill_after >= s.limit[rows]
-        keep = np.where(evict, cfg.budget, fill_after)
+        evict = np.zeros(R, dtype=bool)
+        evict[schedule.evict] = True
+        keep = np.asarray(schedule.keep, dtype=np.int64)
         dense = fill_after > held * bs
         if (dense & ~evict).any():
             bad = [req_ids[i] for i in np.nonzero(dense & ~evict)[0]]
@@ -145,15 +153,16 @@ class VaseCPUModelRunner(CPUModelRunner):
         phys_in = np.where(dense_tok, 0, phys)
         slots = np.where(dense_tok, -1, block_rows[tok_row, phys_in // bs] * bs + phys_in % bs)
         logical = logical_before[tok_row] + j
-        # the logical position of each token written in place, for every layer at once (compaction then moves each
-        # layer's own copy); slots past the table's width belong to a dense prompt not yet evicted (position = slot)
-        width = s.positions.shape[3]
-        put = ~dense_tok & (phys < width)
+        # the logical position of each token written in place, in every layer (compaction then moves each layer's
+        # own copy); slots past the tables' width belong to a dense prompt not yet evicted (position = slot)
+        put = ~dense_tok & (phys < s.s.cap_tokens)
         if put.any():
-            s.positions[:, torch.from_numpy(rows[tok_row[put]]), :, torch.from_numpy(phys[put])] = torch.from_numpy(
-                logical[put]
-            ).view(-1, 1, 1)
-        plan = st.StepPlan(
+            put_rows = torch.from_numpy(rows[tok_row[put]])
+            put_slots, put_pos = torch.from_numpy(phys[put]), torch.from_numpy(logical[put])
+            for layer in range(len(s.layer_index)):
+                seq.tables.put_positions(layer, put_rows, put_slots, put_pos)
+        plan = st.PagedStep(
+            schedule=schedule,
             num_reqs=R,
             req_ids=req_ids,
             rows=torch.from_numpy(rows),
@@ -170,21 +179,9 @@ class VaseCPUModelRunner(CPUModelRunner):
             slot_mapping=torch.from_numpy(slots.astype(np.int64)),
             positions=torch.from_numpy(logical),
         )
-        if s.ring is not None:
-            self._plan_ring(plan, tok_row, j, rows, logical)
+        if seq.ring is not None:
+            # each request saves its last `window` queries (the sequence model says where); token of each in the batch
+            plan.ring = seq.ring.plan(rows.tolist(), n.tolist(), schedule.seen_before, scatter=True)
+            step_rows = np.asarray(plan.ring.step_rows, dtype=np.int64)
+            plan.ring_tok = torch.from_numpy(qsl[step_rows] + np.asarray(plan.ring.offsets, dtype=np.int64))
         return plan
-
-    def _plan_ring(self, plan: st.StepPlan, tok_row, j, rows, logical) -> None:
-        """Which new queries each request saves (its last ``window``), where in its ring, and their positions."""
-        s = self.vase_state
-        w = s.s.config.window
-        first = np.maximum(plan.n - w, 0)[tok_row]
-        save = j >= first
-        tok = np.nonzero(save)[0]
-        ring_row = rows[tok_row[tok]]
-        ring_slot = (s.ring_next[ring_row] + j[tok] - first[tok]) % w
-        plan.ring_tok = torch.from_numpy(tok)
-        plan.ring_row = torch.from_numpy(ring_row)
-        plan.ring_slot = torch.from_numpy(ring_slot)
-        s.ring_pos[plan.ring_row, plan.ring_slot] = torch.from_numpy(logical[tok])
-        s.ring_valid[plan.ring_row, plan.ring_slot] = True

@@ -1,0 +1,170 @@
+"""The sequence model every integration runs: schedule, row tables and query ring, and one call per eviction.
+
+An integration (the transformers cache :mod:`vase.hf`, the vLLM plugin :mod:`vase.vllm`, or a third engine) owns
+where keys and values are stored and how its attention reads them. Everything a sequence carries between evictions
+is here, written once (torch and the standard library only, no device assumption):
+
+* :class:`vase.core.schedule.Schedule`: when each row evicts, its fill and tokens seen, eviction counts;
+* :class:`vase.core.tables.RowTables`: per (layer, row, KV head) the logical position and policy state of every held
+  slot, the policy's per-row memo, each row's random key;
+* :class:`vase.core.ring.QueryRing`: the last ``window`` post-RoPE queries of each row (for attention-based scorers);
+* :meth:`Sequences.evict`: for one layer, the rows of a step that reach their limit: the policy's choice
+  (:func:`vase.core.evict.evict_layer`) from the held entries the integration gathered, the tables written back, and
+  the kept slot indices returned, so the integration moves its own entries (:func:`vase.core.evict.gather_kept`).
+
+What an integration does each step (see docs/ARCHITECTURE.md, "What an integration provides"):
+
+1. ``step = seq.schedule.plan(rows, counts)``; ``ring_write = seq.ring.plan(rows, counts, step.seen_before)``;
+2. per evicting layer: write the new keys and values at each row's fill (slots ``[fill, fill + n)``) and their
+   positions (:meth:`RowTables.put_positions`), attend, save the step's queries (:meth:`QueryRing.write`), then for
+   the rows ``step.evict``: gather their held entries, ``ev = seq.evict(layer, step, ...)``, write the kept entries
+   ``gather_kept(ev.indices, ...)`` to the row's first slots;
+3. ``seq.commit(step, ring_write)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import VaseConfig
+from .evict import LayerEviction, evict_layer
+from .ring import QueryRing, RingWrite
+from .schedule import Schedule, StepSchedule
+from .tables import RowTables
+
+
+class Sequences:
+    """The sequence model of one integration instance (a cache, a worker): see the module docstring.
+
+    Args:
+        config: the resolved configuration (its budget fixed).
+        layer_ids: the model index of each evicting layer, in order (they key the random choices).
+        layer_budgets: the budget of each evicting layer (PyramidKV's differ; default: the budget for all).
+        slots: physical slots per (row, layer, KV head) for kept tokens (default: the budget).
+
+    Attributes:
+        schedule, tables, ring (None for a policy that needs no saved queries), config, policy.
+
+    Raises:
+        ValueError: a configuration whose budget is not fixed yet (a ratio: apply it with ``config.for_length``).
+    """
+
+    def __init__(
+        self,
+        config: VaseConfig,
+        layer_ids: list[int],
+        layer_budgets: list[int] | None = None,
+        slots: int | None = None,
+    ):
+        if config.budget is None:
+            raise ValueError("the sequence model needs a fixed budget: apply the ratio first (config.for_length)")
+        self.config, self.policy = config, config.policy
+        self.layer_ids = list(layer_ids)
+        self.layer_budgets = list(layer_budgets) if layer_budgets is not None else [config.budget] * len(layer_ids)
+        self.slots = config.budget if slots is None else slots
+        self.schedule = Schedule(
+            budget=config.budget,
+            buffer=config.buffer,
+            slots=self.slots,
+            evicts=self.policy.evicts,
+            compress_prompt=config.compress_prompt,
+            quantize=config.kv_bits is not None,
+        )
+        self.tables = RowTables(self.layer_ids, self.policy.state_names, self.policy.memo_names)
+        self.ring = QueryRing(len(self.layer_ids), config.window) if config.window else None
+
+    # ----------------------------------------------------------------------------------------------- rows
+    def admit(self, row: int, prompt_tokens: int, seed: int) -> None:
+        """A new sequence in ``row``: its schedule from its prompt's length, its tables emptied, its ring forgotten,
+        its random key from ``seed``."""
+        self.schedule.admit(row, prompt_tokens)
+        self.tables.reset_row(row)
+        self.tables.set_seeds([row], [seed])
+        if self.ring is not None and row < self.ring.rows:
+            self.ring.reset_row(row)
+
+    def commit(self, step: StepSchedule, ring_write: RingWrite | None = None) -> None:
+        """After a step's last layer: the schedule and the ring's pointers move on."""
+        self.schedule.commit(step)
+        if ring_write is not None and self.ring is not None:
+            self.ring.commit(ring_write)
+
+    # ------------------------------------------------------------------------------------------- eviction
+    def evict(
+        self,
+        layer: int,
+        step: StepSchedule,
+        which: list[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        *,
+        scaling: float | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> LayerEviction:
+        """The policy's choice for the rows ``which`` of ``step`` (positions in its row order) in layer ``layer``.
+
+        The integration gives those rows' held entries and their slot tables (from :meth:`RowTables.held`, or
+        built with the step's new tokens appended for a multi-token step); this call adds what the sequence model
+        holds (the layer's budget, the physical slots, sinks, recent window, row keys, eviction counts, the newest
+        position, the saved queries, the memo), runs :func:`vase.core.evict.evict_layer`, and writes the rows' memo
+        back. It does not write positions and state: the caller gathers them with the kept indices
+        (:func:`vase.core.evict.gather_kept`) into the slots it writes its entries to, then
+        :meth:`RowTables.write_kept`.
+
+        Args:
+            keys, values: ``[b, H, S, D]`` the held entries of the ``b = len(which)`` rows (post-RoPE keys).
+            positions: ``[b, H, S]`` int64 logical position of each slot (-1: free or dead).
+            valid: ``[b, S]`` (or ``[b, H, S]``) bool, slots holding a token.
+            state: ``{name: [b, H, S]}`` float32 per-slot state (updated in place by the scorer; the result's
+                ``state`` holds the new state of these slots).
+            scaling: the layer's attention logit scale (default ``D ** -0.5``).
+            rows: ``[b]`` int64 table rows on the layer's device (default: built from ``step`` and ``which``; None
+                together with ``which`` covering every row of the tables means all rows, no selection).
+
+        Returns:
+            The :class:`vase.core.evict.LayerEviction` (kept indices ``[b, H, slots]``, counts kept, new state).
+        """
+        dev = keys.device
+        table_rows = [step.rows[i] for i in which]
+        every = table_rows == list(range(len(self.tables.row_keys))) and rows is None
+        if rows is None and not every:
+            rows = torch.tensor(table_rows, dtype=torch.long).to(dev)
+        sel = None if every else rows
+        queries = qpos = qvalid = None
+        if self.ring is not None:
+            queries, qpos, qvalid = self.ring.read(layer, sel)
+        memo = self.tables.memo_of(layer, sel)
+        ev = evict_layer(
+            self.policy,
+            keys,
+            values,
+            positions,
+            valid,
+            budget=self.layer_budgets[layer],
+            slots=self.slots,
+            sinks=self.config.sinks,
+            recent=self.config.recent,
+            row_keys=self.tables.keys_tensor(dev, sel),
+            eviction_index=_upload([step.evictions_before[i] for i in which], dev),
+            latest_query=_upload([step.seen_before[i] + step.counts[i] - 1 for i in which], dev),
+            queries=queries,
+            query_positions=qpos,
+            query_valid=qvalid,
+            scaling=scaling,
+            state=state,
+            memo=memo,
+            layer_idx=self.layer_ids[layer],
+        )
+        self.tables.set_memo(layer, sel, ev.memo)
+        return ev
+
+
+def _upload(values: list[int], device) -> torch.Tensor:
+    """A small int64 tensor from host values (pinned and non-blocking on CUDA: no host-device synchronization)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
