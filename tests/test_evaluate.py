@@ -390,7 +390,8 @@ def test_report_axes_one_compression_and_no_degenerate_ranges():
     every value is equal (no -0.04..0.04 pass@1 axis)."""
     import matplotlib.pyplot as plt
 
-    from vase.harness.report import PERCENT_LIMITS, _flat_axis, compression, eval_figure
+    from vase.harness.plots import PERCENT_LIMITS, _flat_axis, eval_figure
+    from vase.harness.ranking import compression
 
     recs = [eval_record("full", p, kv_bytes=5 * 2**20) for p in "ab"]
     recs += [eval_record("vase", p, kv_bytes=2**20, budget=b) for p in "ab" for b in (128, 256)]
