@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from vase.harness.bench import DEFAULT_PROMPT, _make_cache, _repeated_prompt
+from vase.harness.measure import DEFAULT_PROMPT, _make_cache, _repeated_prompt
 from vase.hf.models import load_model
 
 

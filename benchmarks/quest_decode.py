@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from vase.harness.bench import _make_cache, paired_markdown, paired_speed
+from vase.harness.bench_markdown import paired_markdown
+from vase.harness.measure import _make_cache, paired_speed
 from vase.hf.cache import EvictingCache
 from vase.hf.models import load_model
 

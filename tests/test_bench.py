@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vase.harness.bench import (
-    bench_markdown,
-    compiled_markdown,
-    compiled_speed,
-    decode_run,
-    paired_markdown,
-    paired_speed,
-    rss_bytes,
-)
+from vase.harness.bench_markdown import bench_markdown, compiled_markdown, paired_markdown
+from vase.harness.measure import compiled_speed, decode_run, paired_speed, rss_bytes
 
 from .conftest import random_ids, tiny_lm, tiny_model
 

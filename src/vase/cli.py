@@ -559,15 +559,10 @@ def bench(
     device: str = DeviceOpt,
 ):
     """Decode speed, KV bytes, peak RSS and eviction share: full cache vs policies, side by side, with ratios."""
-    from .harness.bench import (
-        compiled_markdown,
-        compiled_speed,
-        paired_markdown,
-        paired_speed,
-        profile_eviction,
-        run_bench,
-    )
+    from .harness.bench import run_bench
+    from .harness.bench_markdown import compiled_markdown, paired_markdown
     from .harness.generation import check_options
+    from .harness.measure import compiled_speed, paired_speed, profile_eviction
     from .hf.models import check_load_options
 
     check_load_options(device=device)
