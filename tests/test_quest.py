@@ -350,6 +350,7 @@ def test_cli_generate_and_bench_with_quest_on_the_embedded_model(embedded, tmp_p
             "-m",
             "vase.cli",
             "bench",
+            "sweep",
             "--out",
             str(tmp_path),
             "--lengths",
