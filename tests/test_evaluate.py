@@ -174,7 +174,8 @@ def test_fidelity_exact_when_budget_covers_everything():
 def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_path, monkeypatch):
     """Task sources (the model's own reasoning, about a minute each on the embedded model) are written as each is
     generated, and a folder of 2 run with 3 prompts generates only the third, keeping the first two as they were."""
-    from vase.harness.fidelity import SOURCES_FILE, FidelityConfig, build_sources, run_fidelity
+    from vase.harness.fidelity import FidelityConfig, run_fidelity
+    from vase.harness.traces import SOURCES_FILE, build_sources
 
     lm = tiny_lm()
     calls = []
