@@ -82,7 +82,7 @@ def replay(
 ):
     """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
 
-    The continuation is fed in chunks that end exactly where the cache evicts (:meth:`EvictingCache.room`), so each
+    The continuation is fed in chunks that end exactly where the cache evicts (:meth:`vase.EvictingCache.room`), so each
     token attends to what it would have seen in token-by-token decoding. With ``record=True`` returns
     ``(logprobs, cache)`` so the caller can look at what the cache holds at the end.
 
