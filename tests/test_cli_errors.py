@@ -278,6 +278,14 @@ def test_bench_mode_help_shows_only_its_options(mode, options):
     assert set(re.findall(r"(--[a-z][a-z-]*)", out.split("Options")[1])) == options, out
 
 
+def test_bench_mode_help_keeps_sentences_whole():
+    from vase.cli import bench
+
+    assert [info.name for info in bench.app.registered_commands] == ["sweep", "paired", "compiled", "profile"]
+    for info in bench.app.registered_commands:
+        assert "\n" not in info.help.replace("\n\n", ""), info.name
+
+
 def test_top_help_lists_the_commands():
     out = runner.invoke(app, ["--help"], env={"COLUMNS": "300"}).output
     listed = re.findall(r"^│ ([a-z]+) ", out.split("Commands")[1], flags=re.M)

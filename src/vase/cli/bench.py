@@ -68,7 +68,6 @@ app = typer.Typer(
     "Without a mode, runs `vase bench sweep` with its defaults.",
 )
 
-OutOpt = typer.Option(Path("runs/bench"), "--out", "-o", help="results folder")
 PairedBudgetOpt = typer.Option(1024, "--budget", "-b", help="budget of the evicting policies in tokens")
 
 
