@@ -6,7 +6,7 @@ is full from the start), then ``--steps`` greedy decode steps; the cache times i
 milliseconds per eviction and the share of the decode wall time. With ``--repeats N`` the specs are measured in N
 interleaved rounds (spec 1, spec 2, ..., spec 1, spec 2, ...) so that a drift of the machine's speed touches
 every spec alike, and each column is the median over the rounds (the share's range over the rounds beside it).
-``vase bench --profile`` gives the same total split by component, but keeps every profiler event of the run in
+``vase bench profile`` gives the same total split by component, but keeps every profiler event of the run in
 memory (8 GB for one policy at budget 1024 here), which this measurement avoids.
 
 Usage::
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from vase.harness.bench import DEFAULT_PROMPT, _make_cache, _repeated_prompt
+from vase.harness.measure import DEFAULT_PROMPT, _make_cache, _repeated_prompt
 from vase.hf.models import load_model
 
 

@@ -34,8 +34,8 @@ case "${1:-}" in
   hf)    for run in runs/kvq-gsm8k runs/kvq-text; do
            .venv/bin/python benchmarks/hf_quantized_fidelity.py "$run" --nbits 4,2 --group 32
          done ;;
-  bench) VASE_THREADS=2 $VASE bench --paired --out runs/kvq-bench --context 4096 --steps 256 --buffer 32 \
-           --paired-budget 1024 --policies \
+  bench) VASE_THREADS=2 $VASE bench paired --out runs/kvq-bench --context 4096 --steps 256 --buffer 32 \
+           --budget 1024 --policies \
            full,vase,vase:kv_bits=8,vase:kv_bits=4,vase:kv_bits=4:$VG,h2o,h2o:kv_bits=4,full:kv_bits=4 ;;
   *) echo "usage: $0 gsm8k|text|plant-gsm8k|plant-text|hf|bench" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """quest against the full cache and vase at 8K context: decode speed and KV memory, side by side in one process.
 
 Four caches get the same 8,192-token prompt (the chat prompt repeated), then take turns of ``buffer`` decode steps
-(as `vase bench --paired`): ``full`` (transformers' DynamicCache, what a user runs without vase), ``full/static``
+(as `vase bench paired`): ``full`` (transformers' DynamicCache, what a user runs without vase), ``full/static``
 (vase's EvictingCache with the non-evicting ``full`` policy: the same preallocated buffers quest uses, no selection,
 so quest against it is the cost or gain of the selection alone), ``vase`` and ``quest`` at the same budget. The
 table gives tokens/s and the KV bytes each cache holds at the end (quest: the whole cache plus its page metadata),
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from vase.harness.bench import _make_cache, paired_markdown, paired_speed
+from vase.harness.bench_markdown import paired_markdown
+from vase.harness.measure import _make_cache, paired_speed
 from vase.hf.cache import EvictingCache
 from vase.hf.models import load_model
 
@@ -26,7 +27,7 @@ STATIC = "full/static"
 
 
 def make_cache(model, policy, budget, buffer):
-    """``full/static``: the full policy in vase's buffers; anything else as `vase bench --paired` makes it."""
+    """``full/static``: the full policy in vase's buffers; anything else as `vase bench paired` makes it."""
     if policy == STATIC:
         return EvictingCache(model, policy="full", budget=budget, buffer=buffer)
     return _make_cache(model, policy, budget, buffer)

@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vase.harness.bench import (
-    bench_markdown,
-    compiled_markdown,
-    compiled_speed,
-    decode_run,
-    paired_markdown,
-    paired_speed,
-    rss_bytes,
-)
+from vase.harness.bench_markdown import bench_markdown, compiled_markdown, paired_markdown
+from vase.harness.measure import compiled_speed, decode_run, paired_speed, rss_bytes
 
 from .conftest import random_ids, tiny_lm, tiny_model
 
@@ -115,7 +108,7 @@ def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
 
 
 def test_cli_bench_end_to_end(embedded, tmp_path):
-    """`vase bench` at toy lengths: one subprocess per configuration (full cache + vase), a table and the goals.
+    """`vase bench sweep` at toy lengths: one subprocess per configuration (full cache + vase), a table and the goals.
 
     Each configuration is a fresh process (imports and model load dominate), so the test keeps to two; the tables
     of several policies are checked by test_bench_markdown_goals."""
@@ -125,6 +118,7 @@ def test_cli_bench_end_to_end(embedded, tmp_path):
             "-m",
             "vase.cli",
             "bench",
+            "sweep",
             "--out",
             str(tmp_path),
             "--lengths",
@@ -163,7 +157,7 @@ def test_paired_speed_interleaves_policies():
 
 
 def test_compiled_speed_pairs_compiled_and_uncompiled_runs():
-    """`vase bench --compile`'s measurement at toy size: each policy compiled and not, at each context, with ratios;
+    """`vase bench compiled`'s measurement at toy size: each policy compiled and not, at each context, with ratios;
     the compiled vase run evicts, the compiled full cache is transformers' StaticCache."""
     import torch._dynamo.utils
 

@@ -379,11 +379,11 @@ def test_unsupported_layer_type():
 
 
 def test_compression_ratio_helper():
-    from vase.harness.generation import budget_for_ratio
+    from vase.core.config import VaseConfig
 
-    assert budget_for_ratio(4.0, 4096) == 1024
+    assert VaseConfig.resolve("vase", ratio=4.0).for_length(4096).budget == 1024
     with pytest.raises(ValueError, match="compression ratio must be > 1"):
-        budget_for_ratio(1.0, 4096)
+        VaseConfig.resolve("vase", ratio=1.0)
 
 
 def test_ratio_budget_is_shared_by_generate_eval_and_fidelity():

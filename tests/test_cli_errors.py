@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from vase import cli
 from vase.cli import app
+from vase.cli.generation import _prompt_text
 
 runner = CliRunner()
 
@@ -98,7 +100,7 @@ def test_prompt_from_closed_stdin(monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)
     for prompt in (None, "-"):
         with pytest.raises(ValueError, match="no prompt: standard input is closed"):
-            cli._prompt_text(prompt, None, 0, None, "auto")
+            _prompt_text(prompt, None, 0, None, "auto")
 
 
 def test_generate_with_stdin_closed_in_a_shell():
@@ -173,27 +175,139 @@ def test_eval_option_ranges(no_loading, tmp_path, task_file, args, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--budgets", "10", "--buffer", "8"], "budget (10) must be larger than sinks + buffer (4 + 8 = 12)"),
-        (["--lengths", "0,64"], "--lengths must be positive token counts, got '0,64'"),
-        (["--budgets", ""], "--budgets is empty: give at least one budget"),
-        (["--policies", "snap"], "unknown policy 'snap'"),
-        (["--paired", "--paired-budget", "256", "--context", "200"], "--context >= budget + buffer (256 + 64)"),
-        (["--paired", "--steps", "0"], "--paired needs --steps >= 1"),
-        (["--profile", "--profile-budget", "50"], "budget (50) must be larger than sinks + buffer (4 + 64 = 68)"),
-        (["--device", "tpu"], "invalid device 'tpu'"),
-        (["--compile", "--contexts", "100"], "--compile needs --contexts of at least 130 tokens"),
-        (["--compile", "--policies", "vase,quest"], "--compile: the selection policy quest has no compiled decoding"),
-        (["--compile", "--paired-budget", "50"], "budget (50) must be larger than sinks + buffer (4 + 64 = 68)"),
+        (["sweep", "--budgets", "10", "--buffer", "8"], "budget (10) must be larger than sinks + buffer (4 + 8 = 12)"),
+        (["sweep", "--lengths", "0,64"], "--lengths must be positive token counts, got '0,64'"),
+        (["sweep", "--budgets", ""], "--budgets is empty: give at least one budget"),
+        (["sweep", "--policies", "snap"], "unknown policy 'snap'"),
+        (["paired", "--budget", "256", "--context", "200"], "--context >= budget + buffer (256 + 64)"),
+        (["paired", "--steps", "0"], "vase bench paired needs --steps >= 1"),
+        (["profile", "--budget", "50"], "budget (50) must be larger than sinks + buffer (4 + 64 = 68)"),
+        (["sweep", "--device", "tpu"], "invalid device 'tpu'"),
+        (["compiled", "--contexts", "100"], "vase bench compiled needs --contexts of at least 130 tokens"),
+        (["compiled", "--policies", "vase,quest"], "vase bench compiled: the selection policy quest has no compiled"),
+        (["compiled", "--budget", "50"], "budget (50) must be larger than sinks + buffer (4 + 64 = 68)"),
     ],
 )
 def test_bench_option_ranges(no_loading, tmp_path, args, message):
-    assert message in _error(["bench", "--out", str(tmp_path / "b"), *args], no_loading)
+    mode, *rest = args
+    out = [] if mode == "profile" else ["--out", str(tmp_path / "b")]  # profile writes nothing
+    assert message in _error(["bench", mode, *out, *rest], no_loading)
 
 
 def test_bench_out_is_a_file(no_loading, tmp_path):
     out = tmp_path / "bench.txt"
     out.write_text("")
-    assert f"--out {out} is a file, not a folder" in _error(["bench", "--out", str(out)], no_loading)
+    for mode in ("sweep", "paired", "compiled"):
+        assert f"--out {out} is a file, not a folder" in _error(["bench", mode, "--out", str(out)], no_loading)
+
+
+@pytest.mark.parametrize(
+    "args, replacement",
+    [
+        (["--paired"], "vase bench paired"),
+        (
+            ["--paired", "--policies", "full,vase", "--paired-budget", "512", "--context=4096"],
+            "vase bench paired --policies full,vase --budget 512 --context 4096",
+        ),
+        (
+            ["--compile", "--contexts", "1024", "--paired-budget", "300"],
+            "vase bench compiled --contexts 1024 --budget 300",
+        ),
+        (
+            ["--profile", "--policies", "vase,h2o", "--profile-budget", "512"],
+            "vase bench profile --policies vase,h2o --budget 512",
+        ),
+        (["--out", "runs/b", "--lengths", "24,48"], "vase bench sweep --out runs/b --lengths 24,48"),
+        (["--paired", "--compile"], "vase bench compiled"),  # --compile took precedence
+    ],
+)
+def test_bench_old_flags_name_the_subcommand(no_loading, args, replacement):
+    """`vase bench --paired ...` (the modes were flags of one command): one line with the command that replaces it."""
+    line = _error(["bench", *args], no_loading)
+    assert line == (
+        f"error: the modes of vase bench are subcommands now: run `{replacement}`; `vase bench --help` lists the modes"
+    )
+
+
+def test_bench_old_flags_leave_out_what_the_mode_never_used(no_loading):
+    line = _error(["bench", "--profile", "--out", "x", "--lengths", "8", "--steps", "3"], no_loading)
+    assert line == (
+        "error: the modes of vase bench are subcommands now: run `vase bench profile` (left out, not options of "
+        "vase bench profile: --out, --lengths, --steps); `vase bench --help` lists the modes"
+    )
+
+
+def test_bench_alone_runs_the_default_sweep(monkeypatch):
+    """`vase bench` (`make bench`) is `vase bench sweep` with its defaults."""
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append((args, kwargs))
+        raise ValueError("recorded")
+
+    monkeypatch.setattr("vase.harness.bench.run_bench", record)
+    for args in (["bench"], ["bench", "sweep"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and result.stderr == "error: recorded\n", result.output
+    default = (
+        (Path("runs/bench"), ["streaming_llm", "snapkv", "rkv", "vase", "vase_dkv"], [256, 512, 1024]),
+        [1024, 2048, 4096, 8192],
+        {"buffer": 64, "model": None, "device": "auto"},
+    )
+    assert [(a[:3], a[3], k) for a, k in seen] == [default, default]
+
+
+@pytest.mark.parametrize(
+    "mode, options",
+    [
+        ("sweep", {"--out", "--lengths", "--policies", "--budgets", "--buffer", "--model", "--device", "--help"}),
+        (
+            "paired",
+            {"--out", "--policies", "--budget", "--context", "--steps", "--buffer", "--model", "--device", "--help"},
+        ),
+        (
+            "compiled",
+            {"--out", "--policies", "--budget", "--contexts", "--steps", "--backend", "--buffer", "--model", "--device"}
+            | {"--help"},
+        ),
+        ("profile", {"--policies", "--budget", "--buffer", "--model", "--device", "--help"}),
+    ],
+)
+def test_bench_mode_help_shows_only_its_options(mode, options):
+    out = runner.invoke(app, ["bench", mode, "--help"], env={"COLUMNS": "300"}).output
+    assert set(re.findall(r"(--[a-z][a-z-]*)", out.split("Options")[1])) == options, out
+
+
+def test_bench_mode_help_keeps_sentences_whole():
+    from vase.cli import bench
+
+    assert [info.name for info in bench.app.registered_commands] == ["sweep", "paired", "compiled", "profile"]
+    for info in bench.app.registered_commands:
+        assert "\n" not in info.help.replace("\n\n", ""), info.name
+
+
+def test_top_help_lists_the_commands():
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "300"}).output
+    listed = re.findall(r"^│ ([a-z]+) ", out.split("Commands")[1], flags=re.M)
+    assert listed == [
+        "policies",
+        "generate",
+        "demo",
+        "eval",
+        "merge",
+        "fidelity",
+        "inspect",
+        "report",
+        "bench",
+        "convert",
+    ]
+    out = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "300"}).output
+    assert re.findall(r"^│ ([a-z]+) ", out.split("Commands")[1], flags=re.M) == [
+        "sweep",
+        "paired",
+        "compiled",
+        "profile",
+    ]
 
 
 def test_fidelity_planting_needs_layers_and_tokens(no_loading, tmp_path):

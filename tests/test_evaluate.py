@@ -174,7 +174,8 @@ def test_fidelity_exact_when_budget_covers_everything():
 def test_fidelity_sources_are_extended_and_survive_an_interrupt(task_file, tmp_path, monkeypatch):
     """Task sources (the model's own reasoning, about a minute each on the embedded model) are written as each is
     generated, and a folder of 2 run with 3 prompts generates only the third, keeping the first two as they were."""
-    from vase.harness.fidelity import SOURCES_FILE, FidelityConfig, build_sources, run_fidelity
+    from vase.harness.fidelity import FidelityConfig, run_fidelity
+    from vase.harness.traces import SOURCES_FILE, build_sources
 
     lm = tiny_lm()
     calls = []
@@ -390,7 +391,8 @@ def test_report_axes_one_compression_and_no_degenerate_ranges():
     every value is equal (no -0.04..0.04 pass@1 axis)."""
     import matplotlib.pyplot as plt
 
-    from vase.harness.report import PERCENT_LIMITS, _flat_axis, compression, eval_figure
+    from vase.harness.plots import PERCENT_LIMITS, _flat_axis, eval_figure
+    from vase.harness.ranking import compression
 
     recs = [eval_record("full", p, kv_bytes=5 * 2**20) for p in "ab"]
     recs += [eval_record("vase", p, kv_bytes=2**20, budget=b) for p in "ab" for b in (128, 256)]

@@ -117,3 +117,15 @@ def test_core_and_integration_modules_stay_short():
     paths = [p for layer in ("core", "hf", "vllm") for p in (SRC / layer).rglob("*.py")]
     long = {str(p.relative_to(SRC)): n for p in paths if (n := len(p.read_text().splitlines())) > 520}
     assert not long, f"modules above ~500 lines: {long}"
+
+
+# files of src/ allowed past 500 lines, with their cap: the core's scoring.py (516 lines) is being rewritten with the
+# core; drop it from here when that lands
+OVER_500 = {"core/scoring.py": 520}
+
+
+def test_no_file_in_src_exceeds_500_lines():
+    """Every file of the package (the harness and the command line included) is at most 500 lines."""
+    sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
+    long = {path: n for path, n in sizes.items() if n > OVER_500.get(path, 500)}
+    assert not long, f"files above 500 lines: {long}"

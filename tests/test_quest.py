@@ -16,7 +16,7 @@ from transformers import DynamicCache
 import vase
 import vase.harness.generation
 from vase.core.pages import PageSelection, PageTable, page_bound, select_pages
-from vase.harness.bench import decode_run, kv_bytes
+from vase.harness.measure import decode_run, kv_bytes
 
 from .conftest import random_ids, tiny_lm, tiny_model
 from .test_ragged import assert_row_equal, run_phases
@@ -350,6 +350,7 @@ def test_cli_generate_and_bench_with_quest_on_the_embedded_model(embedded, tmp_p
             "-m",
             "vase.cli",
             "bench",
+            "sweep",
             "--out",
             str(tmp_path),
             "--lengths",

@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 from vase.cli import app
 from vase.harness import report
 from vase.harness.fidelity import summarize
-from vase.harness.report import POLICY_COLORS, policy_styles, size_label, write_report
+from vase.harness.plots import POLICY_COLORS, policy_styles
+from vase.harness.ranking import size_label
+from vase.harness.report import write_report
 from vase.harness.stats import kl_text, mean_se, paired_diff, pm, rank
 
 # Four sources of 64 + 448 = 512 tokens. At 4x the budget is 128 (compression 4.0); at 8x the floor sinks + buffer + 1

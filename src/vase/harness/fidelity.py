@@ -8,7 +8,8 @@ next-token distributions: KL(full || policy) in nats, top-1 agreement, and the p
 Replay feeds the continuation in chunks that end exactly where the cache would evict during token-by-token decoding
 (first when the fill reaches budget + buffer, then every ``buffer`` tokens), so every token attends to exactly the
 entries it would have seen while decoding, at the cost of a prefill. The full-cache reference is replayed with the
-same chunks, so a budget that covers the whole length gives exactly zero KL and full agreement.
+same chunks, so a budget that covers the whole length gives exactly zero KL and full agreement. The sources (traces
+and text windows): :mod:`vase.harness.traces`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from .data import load_problems
 from .evaluate import RunConfig, check_same_config, prepare_dir, read_records
 from .notes import warn
 from .outliers import PlantedValues, full_precision_share, kept_share
+from .traces import SOURCES_FILE, build_sources, text_file, text_sources
 
-SOURCES_FILE = "sources.jsonl"
 DEFAULT_RATIOS = (2.0, 4.0, 8.0)
 RECORDS = "fidelity.jsonl"
 
@@ -81,7 +82,7 @@ def replay(
 ):
     """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
 
-    The continuation is fed in chunks that end exactly where the cache evicts (:meth:`EvictingCache.room`), so each
+    The continuation is fed in chunks that end exactly where the cache evicts (:meth:`vase.EvictingCache.room`), so each
     token attends to what it would have seen in token-by-token decoding. With ``record=True`` returns
     ``(logprobs, cache)`` so the caller can look at what the cache holds at the end.
 
@@ -140,107 +141,9 @@ def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket:
     }
 
 
-def text_file(config: FidelityConfig) -> Path:
-    """The file of a ``text:PATH`` source.
-
-    Raises:
-        ValueError: a file that does not exist or is not a file.
-    """
-    file = Path(config.source[5:]).expanduser()
-    if file.is_dir():
-        raise ValueError(f"{file} is a folder: --source text:PATH takes a plain text file")
-    if not file.is_file():
-        raise ValueError(f"text file not found: {file} (--source text:PATH takes a plain text file)")
-    return file
-
-
-def text_sources(config: FidelityConfig, tokenizer) -> list[dict]:
-    """The ``config.prompts`` windows of a ``text:PATH`` source, evenly spaced: ``prefix_tokens`` of context then
-    ``tokens`` of continuation each.
-
-    Raises:
-        ValueError: a missing file, or one shorter than ``prefix_tokens + tokens`` tokens.
-    """
-    file = text_file(config)
-    ids = tokenizer(file.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    span = config.prefix_tokens + config.tokens
-    if len(ids) < span:
-        raise ValueError(
-            f"{file} has {len(ids)} tokens, fewer than prefix + tokens = {span}: lower --tokens or use a longer file"
-        )
-    step = max((len(ids) - span) // max(config.prompts, 1), 1)
-    return [
-        {
-            "id": f"{file.name}@{i * step}",
-            "prompt": ids[i * step : i * step + config.prefix_tokens],
-            "continuation": ids[i * step + config.prefix_tokens : i * step + span],
-        }
-        for i in range(config.prompts)
-    ]
-
-
-def build_sources(config: FidelityConfig, lm, progress: bool = True, path: Path | None = None) -> list[dict]:
-    """The run's ``config.prompts`` sources: ``{"id", "prompt": [ids], "continuation": [ids]}``.
-
-    Text windows are cut afresh (their spacing depends on ``prompts``). Task sources are the model's own greedy
-    reasoning with the full cache, ``config.tokens`` tokens each (about a minute per source on a CPU): with ``path``,
-    the sources of that length already in that JSONL file are reused by id and the file is rewritten (atomically)
-    after each new source, so an interrupted run keeps what it generated and ``--prompts 20`` on a folder of 10
-    generates 10.
-
-    Raises:
-        ValueError: a text file that is missing or shorter than ``prefix_tokens + tokens``; an unknown task.
-    """
-    if config.source.startswith("text:"):
-        out = text_sources(config, lm.tokenizer)
-        if path is not None:
-            write_sources(path, out)
-        return out
-    from tqdm.auto import tqdm
-
-    from .generation import encode_prompts, generate
-
-    # reuse only traces of this run's length (a sources file copied from a run with other --tokens is regenerated)
-    have = {s["id"]: s for s in read_records(path) if len(s["continuation"]) == config.tokens} if path else {}
-    problems = load_problems(config.source, require_answer=False)[: config.prompts]
-    out = [have[f"{p.task}:{p.id}"] for p in problems if f"{p.task}:{p.id}" in have]
-    todo = [p for p in problems if f"{p.task}:{p.id}" not in have]
-    for p in tqdm(todo, desc="reference reasoning (full cache)", disable=not progress, dynamic_ncols=True):
-        res = generate(
-            lm.model,
-            lm.tokenizer,
-            p.prompt(),
-            policy="full",
-            budget=config.tokens + 64,
-            max_new_tokens=config.tokens,
-            min_new_tokens=config.tokens,
-            seed=config.seed,
-        )
-        prompt = encode_prompts(lm.tokenizer, [p.prompt()])["input_ids"][0].tolist()
-        out.append({"id": f"{p.task}:{p.id}", "prompt": prompt, "continuation": res.completions[0].token_ids})
-        if path is not None:
-            write_sources(path, out)
-    order = {f"{p.task}:{p.id}": i for i, p in enumerate(problems)}
-    out.sort(key=lambda s: order[s["id"]])
-    if path is not None:
-        write_sources(path, out)
-    return out
-
-
-def write_sources(path: Path, sources: list[dict]) -> None:
-    """Write ``sources`` to the JSONL file ``path`` through a temporary file and a rename (never half-written)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for s in sources:
-            fh.write(json.dumps(s) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float) -> int:
     """The budget (tokens per KV head) of one replay of ``source``: ``value`` itself for ``kind='budget'``, else
-    :func:`vase.hf.cache.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
+    :func:`vase.core.config.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
     (rounded to the buffer for every policy alike when the run holds the published method)."""
     if kind == "budget":
         return int(value)

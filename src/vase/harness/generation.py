@@ -10,22 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.config import DEFAULT_BUDGET, VaseConfig, check_ratio, is_int
+from ..core.config import DEFAULT_BUDGET, VaseConfig, is_int
 from ..hf.cache import EvictingCache
 from ..hf.compiled import compile_config
 from ..hf.stats import CacheStats
 
 __all__ = ["DEFAULT_BUDGET", "Completion", "GenerationResult", "check_options", "encode_prompts", "generate"]
-
-
-def budget_for_ratio(ratio: float, total_tokens: int) -> int:
-    """Budget (tokens) that compresses ``total_tokens`` (prompt + new tokens) by ``ratio``: ``ceil(total / ratio)``.
-
-    Raises:
-        ValueError: if ``ratio <= 1``.
-    """
-    check_ratio(ratio)
-    return max(1, math.ceil(total_tokens / ratio))
 
 
 def check_options(

@@ -1,0 +1,5 @@
+"""``python -m vase.cli``: the ``vase`` command."""
+
+from . import main
+
+main()
