@@ -113,7 +113,7 @@ def decode_run(
             prev = stamps[last_mark - 1] if last_mark else start
             w = min(window, i - 1)
             cur, peak = rss_bytes()
-            ev = getattr(cache, "_eviction_seconds", 0.0)
+            ev = _cost_counters(cache)[0]
             rows.append(
                 {
                     "tokens": i,
@@ -242,8 +242,9 @@ def paired_speed(
 
 def _cost_counters(cache) -> tuple[float, float, float]:
     """(eviction, quantization, dequantization) seconds a cache has counted so far (0 for a transformers cache)."""
-    names = ("_eviction_seconds", "_quant_seconds", "_dequant_seconds")
-    return tuple(getattr(cache, n, 0.0) for n in names)
+    counters, ws = getattr(cache, "counters", None), getattr(cache, "workspace", None)
+    ev = counters.eviction_seconds if counters is not None else 0.0
+    return (ev, ws.quant_seconds, ws.dequant_seconds) if ws is not None else (ev, 0.0, 0.0)
 
 
 def _eager_step(model, policy: str, cache):

@@ -129,10 +129,10 @@ def full_precision_share(cache, layers: Sequence[int], positions: Sequence[int])
     for i in layers:
         layer = cache.layers[i]
         pos = layer.positions[0]  # [H, capacity]
-        lim = layer.qmask.shape[-1]
+        lim = layer.storage.qmask.shape[-1]
         for p in positions:
             hit = pos == p  # [H, capacity]
             held += int(hit.sum())
-            quantized = hit[:, :lim] & layer.qmask[0]
+            quantized = hit[:, :lim] & layer.storage.qmask[0]
             full += int(hit.sum()) - int(quantized.sum())
     return full / held if held else None
