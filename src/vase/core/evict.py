@@ -1,11 +1,12 @@
 """The one entry point of an eviction: which held entries of one layer to keep (torch only).
 
-Every integration calls :func:`evict_layer` for one layer at a time, with the rows (sequences) that evict now:
-the transformers cache (:mod:`vase.hf`) with its slot buffers, the vLLM plugin with each request's entries gathered
-from its blocks. It scores, guards and selects as the policy says (:func:`vase.core.selection.select`), gives
-per-head counts with adaptive budgets (AdaKV, :func:`vase.core.budgets.head_counts`), advances the policy's state,
-and returns the kept slot indices. :func:`gather_kept` then gathers the kept entries; the caller writes them back
-where it stores them (in place: memory stays static).
+The sequence model (:meth:`vase.core.sequence.Sequences.evict`, what every integration calls) runs
+:func:`evict_layer` for one layer at a time, with the rows (sequences) that evict now: the transformers cache
+(:mod:`vase.hf`) with its slot buffers, the vLLM plugin with each request's entries gathered from its blocks. It
+scores, guards and selects as the policy says (:func:`vase.core.selection.select`), gives per-head counts with
+adaptive budgets (AdaKV, :func:`vase.core.budgets.head_counts`), advances the policy's state, and returns the kept
+slot indices. :func:`gather_kept` then gathers the kept entries; the caller writes them back where it stores them
+(in place: memory stays static).
 
 Shapes: ``b`` rows evicting, ``H`` KV heads, ``Hq`` query heads (a multiple of ``H``: the GQA group), ``S`` slots
 held per (row, KV head), ``W`` saved queries, ``D`` head dim, ``K`` = ``slots`` kept slots (the width of the result).

@@ -8,7 +8,7 @@ Two measures, kept apart:
   windows of tinyshakespeare, completions that ended by themselves) and builds loops of units of 5-300
   characters (sentence loops, loops whose numbers change, token loops with whitespace variation, short units
   repeated only 6-25 times); the figures and the command are in docs/RESULTS.md, and labelled cases are in
-  tests/test_loops.py.
+  tests/harness/test_loops.py.
 * :func:`paper_loop` (reported as "paper regex loop rate"): the check of the VaSE reference evaluation
   (arXiv 2606.03928), regex ``(.{10,40})\\1{4,}`` searched anywhere in the last 500 characters, kept only for
   comparison with the paper.

@@ -5,7 +5,7 @@ model's current implementation (``sdpa``, ``eager``, ``flash_attention_2``/``3``
 registers a forward pre-hook on the decoder that hands the 2-D padding mask to an :class:`~vase.EvictingCache`. No
 model code is copied and no forward is patched.
 
-When the keys handed to the wrapper come from an :class:`~vase.hf.cache.EvictingLayer` update (checked by identity), the
+When the keys handed to the wrapper come from an :class:`~vase.hf.layer.EvictingLayer` write (checked by identity), the
 wrapper (1) saves the queries in that layer's ring, (2) passes a mask over the physical slots instead of the logical
 one, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache (or none) it
 calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``. The kept
@@ -60,7 +60,8 @@ _PASS = object()  # hand-off marker of a kept (non-evicting) layer of an Evictin
 
 
 def hand_off(layer, key: torch.Tensor) -> None:
-    """Called by an EvictingLayer's update: the next attention call with this very ``key`` tensor is its."""
+    """Called by an EvictingLayer's write (or compiled decoding's, with its static call object): the next attention
+    call with this very ``key`` tensor is its."""
     _handoff.item = (layer, key)
 
 

@@ -121,7 +121,7 @@ class EvictingCache(Cache):
 
     Compiled decoding (``compileable=True``, :mod:`vase.hf.compiled`): a decode step (one token per row, after the
     first forward) is a fixed-shape graph; the eager part (eviction, bookkeeping) runs before it in
-    :meth:`prepare_decode`. Greedy outputs equal the uncompiled cache's token for token (``tests/test_compile.py``).
+    :meth:`prepare_decode`. Greedy outputs equal the uncompiled cache's token for token (``tests/hf/test_compile.py``).
     Not for flash-attention, hybrid models or ``quest`` (clear errors).
 
     Raises:

@@ -123,7 +123,7 @@ class VaseScheduler(Scheduler):
             s = self.vase
             max_len = min(self.max_model_len, request.num_prompt_tokens + max(int(request.max_tokens or 0), 1))
             cap = s.request_cap_tokens(request.num_prompt_tokens, max_len)
-            first = s.first_limit(request.num_prompt_tokens)
+            first = s.first_eviction(request.num_prompt_tokens)
             for m in self._vase_managers:
                 m.vase_caps[request.request_id] = cap
                 if cap > s.cap_tokens:  # a dense prompt: its blocks past the steady cap go after its first eviction

@@ -90,7 +90,7 @@ class EngineSettings:
         """Token slots of :attr:`cap_blocks` blocks (the width of the per-slot tables)."""
         return self.cap_blocks * self.block_size
 
-    def first_limit(self, prompt_tokens: int) -> int:
+    def first_eviction(self, prompt_tokens: int) -> int:
         """Fill at which a request whose prompt has ``prompt_tokens`` tokens first evicts: the sequence model's
         :func:`vase.core.schedule.first_limit` (``budget + buffer``, or with a dense prompt, ``compress_prompt=False``
         as ``vase:preset=paper``, the first multiple of the buffer above the prompt, at least ``budget + buffer``)."""
@@ -102,7 +102,7 @@ class EngineSettings:
     def request_cap_tokens(self, prompt_tokens: int, max_len: int) -> int:
         """Token slots (whole blocks) a request may hold: the cap, or with a dense prompt its first limit; never more
         than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block."""
-        need = max(self.limit, self.first_limit(prompt_tokens))
+        need = max(self.limit, self.first_eviction(prompt_tokens))
         bs = self.block_size
         return min(math.ceil(need / bs), math.ceil(max(max_len, 1) / bs)) * bs
 

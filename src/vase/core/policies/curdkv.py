@@ -6,8 +6,8 @@ arXiv 2509.15038, Sec. 3.
 
 from functools import partial
 
+from ..key_scoring import Leverage
 from ..policy import Policy, compose
-from ..scoring import Leverage
 
 NAME = "curdkv"
 SOURCE = "Sengupta et al. 2025, CurDKV, arXiv 2509.15038, Sec. 3"

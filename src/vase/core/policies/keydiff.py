@@ -4,8 +4,8 @@ Park et al. 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Cont
 Resource-Constrained Environments", arXiv 2504.15364, Sec. 3.
 """
 
+from ..key_scoring import KeyDiversity
 from ..policy import Policy, compose
-from ..scoring import KeyDiversity
 
 NAME = "keydiff"
 SOURCE = "Park et al. 2025, KeyDiff, arXiv 2504.15364, Sec. 3"

@@ -5,8 +5,8 @@ Sec. 3-4: a low key norm goes with high attention, so the entries with the large
 sinks and the recent window are kept as in every policy.
 """
 
+from ..key_scoring import KeyNorm
 from ..policy import Policy, compose
-from ..scoring import KeyNorm
 
 NAME = "knorm"
 SOURCE = "Devoto et al. 2024, L2 norm of keys, arXiv 2406.11430, Sec. 3-4"

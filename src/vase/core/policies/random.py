@@ -1,7 +1,7 @@
 """``random``: uniform random eviction (the control of VaSE's ablation, arXiv 2606.03928, Sec. 5)."""
 
+from ..key_scoring import Constant
 from ..policy import Policy, compose
-from ..scoring import Constant
 
 NAME = "random"
 SOURCE = "uniform random eviction (control), VaSE arXiv 2606.03928, Sec. 5"

@@ -3,8 +3,8 @@
 Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453, Sec. 3.2.
 """
 
+from ..key_scoring import Recency
 from ..policy import Policy, compose
-from ..scoring import Recency
 
 NAME = "streaming_llm"
 SOURCE = "Xiao et al. 2024, StreamingLLM, arXiv 2309.17453, Sec. 3.2"

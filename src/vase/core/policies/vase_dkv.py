@@ -8,8 +8,8 @@ KV heads, prompt kept dense until the first eviction.
 
 from functools import partial
 
+from ..key_scoring import Leverage
 from ..policy import Policy, compose
-from ..scoring import Leverage
 from .vase import resolve_preset
 
 NAME = "vase_dkv"

@@ -47,11 +47,10 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import vase
+from tests.conftest import VOCAB
 from vase.hf import hybrid
 from vase.hf.cache import check_model_supported
 from vase.hf.layer import EvictingLayer
-
-from .conftest import VOCAB
 
 FAMILIES = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3", "qwen3_sliding", "qwen3_5", "qwen3_next")
 EAGER_ONLY = ("gpt_oss", "gemma2")  # transformers has no sdpa for these (learned sinks; soft-capping)

@@ -13,9 +13,8 @@ import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
 
 import vase
+from tests.conftest import random_ids, tiny_model
 from vase.hf.compiled import check_compileable
-
-from .conftest import random_ids, tiny_model
 
 POLICIES = [p for p in vase.POLICY_NAMES if p != "quest"]
 
@@ -249,7 +248,7 @@ def test_compileable_errors():
 def test_compileable_refuses_hybrid_models():
     from transformers import Qwen3ForCausalLM
 
-    from .test_hybrid import hybrid_config
+    from tests.hf.test_hybrid import hybrid_config
 
     config = hybrid_config("qwen3_sliding")  # full, full, sliding, sliding
     model = Qwen3ForCausalLM(config).eval()
@@ -293,10 +292,9 @@ def test_many_prompt_lengths_compile_few_graphs(monkeypatch, options):
     """20 prompt lengths in one process through ``vase.generate(..., compile=True)`` (fullgraph): tokens equal the
     uncompiled run's, and the graphs stay within the README's bound, one per power of two of the buffers' slots
     (plus the budget's own shape), instead of one per prompt length (the ninth raised FailOnRecompileLimitHit)."""
+    from tests.conftest import TinyTokenizer
     from vase.core.config import compiled_capacity
     from vase.harness import generation
-
-    from .conftest import TinyTokenizer
 
     monkeypatch.setattr(generation, "compile_config", _aot_eager_config)
     model, tok = fresh_model("llama"), TinyTokenizer()

@@ -20,9 +20,8 @@ from transformers import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import vase
+from tests.conftest import random_ids, tiny_model
 from vase.hf import attention as attn
-
-from .conftest import random_ids, tiny_model
 
 MIB = 2.0**20
 PROMPT = 1024

@@ -254,7 +254,7 @@ def test_policy_styles_are_fixed_and_distinguishable():
 
 
 def test_eval_plot_has_error_bars_on_both_panels_and_a_title(tmp_path, monkeypatch):
-    from .test_evaluate import LOOP_TEXT, PROSE_TEXT, eval_record
+    from tests.harness.test_evaluate import LOOP_TEXT, PROSE_TEXT, eval_record
 
     figs = _capture(monkeypatch, "eval_figure")
     run = tmp_path / "run"

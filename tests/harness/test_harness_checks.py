@@ -8,13 +8,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from tests.conftest import tiny_lm as _tiny_lm
+from tests.harness.test_cli_errors import _error, no_loading, task_file  # noqa: F401  (fixtures)
+from tests.harness.test_outliers import CharTokenizer
 from vase.cli import app
 from vase.harness.fidelity import FidelityConfig, run_fidelity
 from vase.harness.notes import VaseWarning
-
-from .conftest import tiny_lm as _tiny_lm
-from .test_cli_errors import _error, no_loading, task_file  # noqa: F401  (fixtures)
-from .test_outliers import CharTokenizer
 
 runner = CliRunner()
 

@@ -15,11 +15,10 @@ from transformers import DynamicCache
 
 import vase
 import vase.harness.generation
+from tests.conftest import random_ids, tiny_lm, tiny_model
+from tests.hf.test_ragged import assert_row_equal, run_phases
 from vase.core.pages import PageSelection, PageTable, page_bound, select_pages
 from vase.harness.measure import decode_run, kv_bytes
-
-from .conftest import random_ids, tiny_lm, tiny_model
-from .test_ragged import assert_row_equal, run_phases
 
 # Hand-made case: page 4, head_dim 2, one KV head; pages 1-4 have these element-wise key minima / maxima.
 HAND_MIN = {1: (-1.0, 0.0), 2: (0.0, 0.0), 3: (-3.0, -1.0), 4: (0.5, 0.5)}

@@ -16,11 +16,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import vase
+from tests.conftest import random_ids, tiny_model
+from tests.hf.test_ragged import check_ragged_equals_alone
 from vase.core.budgets import check_head_budgets_supported, head_counts, head_mask, layout, pyramid_budgets
 from vase.core.selection import TopK, ValueGuard, select, structural_masks
-
-from .conftest import random_ids, tiny_model
-from .test_ragged import check_ragged_equals_alone
 
 torch.set_num_threads(1)
 
@@ -87,7 +86,7 @@ def test_select_with_per_head_keep():
         def score(self, ctx):
             return full.clone()
 
-    from .test_value_aware import hand_ctx
+    from tests.core.test_value_aware import hand_ctx
 
     ranges = torch.ones(2, 8)
     ranges[1, 6] = 50.0  # head 1: a large value at its worst-scored slot
@@ -432,10 +431,10 @@ def test_scorers_skip_dead_slots(policy):
 def test_hybrid_models_with_adaptive_budgets(fam):
     """Hybrid models (sliding-window or linear-attention layers kept as transformers holds them): with AdaKV and
     PyramidKV over the evicting layers, every decode step's logits equal a dense replay whose full-attention layers
-    attend per KV head only to that head's live tokens (tests/test_hybrid.py's masked-dense reference)."""
+    attend per KV head only to that head's live tokens (tests/hf/test_hybrid.py's masked-dense reference)."""
     from transformers import DynamicCache
 
-    from .test_hybrid import MaskedDense, hybrid_model, ids_of, run_with_eviction
+    from tests.hf.test_hybrid import MaskedDense, hybrid_model, ids_of, run_with_eviction
 
     policy = "snapkv:head_budget=adakv:layer_budget=pyramid:head_floor=0"
     model = hybrid_model(fam)

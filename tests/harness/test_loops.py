@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import need_data
 from vase.harness.loops import (
     MIN_SPAN,
     MIN_UNIT,
@@ -21,8 +22,6 @@ from vase.harness.loops import (
     normalise,
     paper_loop,
 )
-
-from .conftest import need_data
 
 GSM8K_SOLUTION = (
     "Janet's ducks lay 16 eggs per day. She eats 3 for breakfast and bakes muffins with 4, so she uses "
@@ -223,7 +222,7 @@ def test_paper_regex_is_its_own_measure():
 
 
 def _benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loop_detector.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loop_detector.py"
     spec = importlib.util.spec_from_file_location("loop_detector", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import random_ids, tiny_lm, tiny_model
 from vase.harness.bench_markdown import bench_markdown, compiled_markdown, paired_markdown
 from vase.harness.measure import compiled_speed, decode_run, paired_speed, rss_bytes
 
-from .conftest import random_ids, tiny_lm, tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_decode_run_measures_static_memory():
@@ -96,7 +95,7 @@ def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_qwen3_4b.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    torch._dynamo.reset()  # a new model: start from empty dynamo caches (see tests/test_compile.py, fresh_model)
+    torch._dynamo.reset()  # a new model: start from empty dynamo caches (see tests/hf/test_compile.py, fresh_model)
     res = mod.main(
         ["--tiny", "--device", "cpu", "--compile", "--backend", "aot_eager", "--out", str(tmp_path / "g.json")]
     )

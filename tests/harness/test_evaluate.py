@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import vase.harness.generation
+from tests.conftest import random_ids, tiny_lm, tiny_model
 from vase.harness.data import DataError, load_problems
 from vase.harness.evaluate import EvalConfig, merge, read_records, record_key, run_sweep, summarize
 from vase.harness.fidelity import compare, replay
 from vase.harness.magnitudes import magnitude_table
 from vase.harness.report import write_report
-
-from .conftest import random_ids, tiny_lm, tiny_model
 
 
 @pytest.fixture()
@@ -378,7 +377,8 @@ def test_report_on_fixture(tmp_path):
     text = write_report(run, tmp_path / "out").read_text()
     assert "| full | budget 128 | 1.00x | 66.7 ± 33.3 | 0.0 ± 0.0 | 0.0 | 100.0 | 50 | 5.00 | 4.00 | 3 |" in text
     assert "| vase | budget 128 | 4.00x | 33.3 ± 33.3 | 33.3 ± 33.3 | 0.0 | 100.0 | 50 | 1.00 | 4.00 | 3 |" in text
-    # one source: no standard error, so no best policy is named (tests/test_report.py has the sentences with errors)
+    # one source: no standard error, so no best policy is named (tests/harness/test_report.py has the sentences with
+    # errors)
     assert "- 2x (budget 100): lowest mean KL vase (0.0200), then snapkv (0.0400); under 2 sources in common" in text
     assert (tmp_path / "out" / "eval_gsm8k.png").stat().st_size > 1000
     assert (tmp_path / "out" / "fidelity.png").stat().st_size > 1000

@@ -7,9 +7,8 @@ import torch
 from transformers import DynamicCache, Qwen3Config
 
 import vase
+from tests.conftest import random_ids, tiny_model
 from vase.hf.cache import check_model_supported
-
-from .conftest import random_ids, tiny_model
 
 
 def greedy(model, ids, n, cache=None, mask=None, keyword="cache"):
@@ -357,7 +356,7 @@ def test_cache_reused_for_other_batch_or_model():
 
 
 def test_unsupported_layer_type():
-    """A model mixing sliding-window and full-attention layers is taken (see tests/test_hybrid.py); one whose layers
+    """A model mixing sliding-window and full-attention layers is taken (see tests/hf/test_hybrid.py); one whose layers
     are all sliding-window has nothing to evict and is refused, naming its layer type."""
 
     def cfg(full_layers):

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import vase
+from tests.conftest import random_ids, tiny_model
 from vase.core.policies import make_policy
 from vase.core.scoring import AccumulatedAttention, EvictionContext, WindowAttention, weight_by_value
 from vase.core.selection import TopK, ValueGuard, select, structural_masks
 from vase.harness.outliers import PlantedValues
-
-from .conftest import random_ids, tiny_model
 
 torch.set_num_threads(1)
 

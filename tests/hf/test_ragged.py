@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import vase
+from tests.conftest import random_ids, tiny_model
+from tests.policies import compresses_prompt, evicting_names, variants
+from vase.core.config import VaseConfig
 from vase.core.policy import Policy
 from vase.core.scoring import EvictionContext, Scorer
 from vase.core.selection import TopK
-
-from .conftest import random_ids, tiny_model
 
 BUDGET, BUFFER = 16, 8
 # Prompt lengths of the rows and, per row, the length of a second multi-token chunk (a chat continuation).
@@ -134,15 +135,23 @@ def check_ragged_equals_alone(model, policy, prompts=PROMPTS, continuations=CONT
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("policy", [p if p != "quest" else "quest:page=4" for p in vase.POLICY_NAMES])
+@pytest.mark.parametrize("policy", [*variants(), "full", "quest:page=4"])
 def test_ragged_rows_equal_rows_alone(family, attn, policy):
     """Rows compressed at prefill, at decode, at a continuation, or never: each equals the row run alone. (quest
-    never evicts; with pages of 4 tokens it selects within this test's budget of 16 at every step after the prefill.)"""
+    never evicts; with pages of 4 tokens it selects within this test's budget of 16 at every step after the prefill.)
+
+    The demanding variants run in float64: their value guards rank entries by their values' range, and the tiny
+    model's first-layer values repeat exactly for a repeated token (values carry no position), so the ranking has exact
+    ties that the few float32 ulps between a batched forward and a row alone break one way or the other; computed in
+    float64, the guard's float32 metric keeps the ties exact and breaks them by slot, as the row alone does."""
     model = tiny_model(family, attn)
+    if policy not in evicting_names() and policy not in ("full", "quest:page=4"):
+        model = model.double()
     cache = check_ragged_equals_alone(model, policy)
-    if vase.make_policy(policy).evicts:
-        # The schedule the test is about did happen: prefill compressed row 0 only, and rows evicted on their own.
-        assert cache.stats().evictions >= 4
+    if VaseConfig.resolve(policy).policy.evicts:
+        # The schedule the test is about did happen: prefill compressed row 0 only, and rows evicted on their own
+        # (a dense prompt, the published preset, waits for its first multiple of the buffer: fewer evictions).
+        assert cache.stats().evictions >= (4 if compresses_prompt(policy) else 2)
         fed = [p + c + STEPS[0] - 1 + STEPS[1] - 1 for p, c in zip(PROMPTS, CONTINUATIONS)]
         assert cache.stats().real_tokens == fed
 

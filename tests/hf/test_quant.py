@@ -11,14 +11,13 @@ import pytest
 import torch
 
 import vase
+from tests.conftest import random_ids, tiny_model
+from tests.hf.test_ragged import CONTINUATIONS, PROMPTS, SEEDS, STEPS, run_phases
 from vase.core import quant
 from vase.core.config import VaseConfig
 from vase.harness.fidelity import replay
 from vase.hf.quantized import QuantizedStorage
 from vase.hf.storage import DenseStorage
-
-from .conftest import random_ids, tiny_model
-from .test_ragged import CONTINUATIONS, PROMPTS, SEEDS, STEPS, run_phases
 
 GROUP = 8  # the tiny models have head_dim 16
 
@@ -389,11 +388,10 @@ def test_fidelity_at_equal_bytes(tmp_path):
     and the report labels the sizes in bytes."""
     import json
 
+    from tests.conftest import tiny_lm
+    from tests.harness.test_outliers import CharTokenizer
     from vase.harness.fidelity import FidelityConfig, run_fidelity
     from vase.harness.report import write_report
-
-    from .conftest import tiny_lm
-    from .test_outliers import CharTokenizer
 
     lm = tiny_lm("llama")
     lm.tokenizer = CharTokenizer()
@@ -454,7 +452,7 @@ def test_kv_quant_table_answers_from_the_records(tmp_path):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "kv_quant_table", Path(__file__).parents[1] / "benchmarks" / "kv_quant_table.py"
+        "kv_quant_table", Path(__file__).parents[2] / "benchmarks" / "kv_quant_table.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,7 +1,7 @@
 """vase inside vLLM (CPU): the plugin against plain vLLM and against vase on transformers (docs/SERVING.md).
 
 vLLM's CPU build pins transformers < 5.20, so it lives in its own environment, ``.venv-vllm`` (``make vllm``). The
-engine runs there, in the scenario scripts of ``tests/vllm_scenarios/`` (one process per script, its engines started
+engine runs there, in the scenario scripts of ``tests/vllm/scenarios/`` (one process per script, its engines started
 one after another in-process with the fast settings of ../shared/VLLM.md), which write JSON; the references run here,
 in the main environment: vase on transformers (:class:`vase.EvictingCache`) on the same converted weights, the same
 prompt ids, budget, buffer, sinks and seeds. The scenario scripts run in a background thread, one at a time, while
@@ -24,9 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.policies import compresses_prompt, variants
+
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-SCENARIOS = Path(__file__).resolve().parent / "vllm_scenarios"
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 MODEL_DIR = ROOT / "build" / "vllm" / "smollm2"
 needs_vllm = pytest.mark.skipif(
     not VLLM_PY.exists(),
@@ -35,8 +37,7 @@ needs_vllm = pytest.mark.skipif(
 )
 BUDGET, BUFFER, SINKS, NEW = 48, 16, 4, 96
 CAP_BLOCKS = 2  # ceil((48 + 16) / 32)
-GREEDY = ["streaming_llm", "snapkv", "h2o", "vase:selector=topk", "tova", "rkv"]
-SAMPLED = ["vase", "vase:preset=paper"]
+MATRIX = variants()  # every evicting policy, plain and demanding (tests/policies.py)
 SEEDS = [11, 12, 13]
 TEXTS = [
     "Tell me a story about a fox.",
@@ -197,8 +198,7 @@ def scenarios(model_dir, prompts, tmp_path_factory):
         {"name": "plain", "vase": None},
         {"name": "full", "vase": {"policy": "full"}},
         {"name": "big", "vase": {"policy": "streaming_llm", "budget": 4096, "buffer": BUFFER, "sinks": SINKS}},
-        *[{"name": p, "vase": {"policy": p, **vase_kw}} for p in GREEDY],
-        *[{"name": p, "vase": {"policy": p, **vase_kw}, "seeds": SEEDS} for p in SAMPLED],
+        *[{"name": p, "vase": {"policy": p, **vase_kw}, "seeds": SEEDS} for p in MATRIX],
     ]
     jobs = {
         "exact": {"model": model, "prompts": prompts, "max_tokens": NEW, "engines": engines},
@@ -246,8 +246,8 @@ def hf_refs(scenarios, hf_model, prompts):
     """vase on transformers for each policy compared (computed while the scenarios run)."""
     refs = {}
     with torch.no_grad():
-        for p in GREEDY + SAMPLED:
-            seeds = SEEDS if p in SAMPLED else [0] * len(prompts)
+        for p in MATRIX:
+            seeds = SEEDS
             refs[p] = [
                 _greedy_hf(hf_model.model, ids, NEW, policy=p, budget=BUDGET, buffer=BUFFER, sinks=SINKS, seed=s)
                 for ids, s in zip(prompts, seeds)
@@ -276,7 +276,7 @@ def test_budget_at_least_the_length_equals_plain_vllm(runs):
 
 
 @needs_vllm
-@pytest.mark.parametrize("policy", GREEDY + SAMPLED)
+@pytest.mark.parametrize("policy", MATRIX)
 def test_tokens_equal_vase_on_transformers(runs, hf_refs, policy):
     """Several concurrent prompts of different lengths (one compressed at prefill), many evictions: the tokens of
     vLLM + vase are those of vase on transformers (sampled policies: same seeds, hence the same draws and kept sets;
@@ -287,14 +287,14 @@ def test_tokens_equal_vase_on_transformers(runs, hf_refs, policy):
         next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None) for g, r in zip(got, hf_refs[policy])
     ]
     worker = res[policy]["stats"]["worker"]
-    assert worker["rows_evicted"] >= 12 and worker["dense_rows"] >= (1 if policy != "vase:preset=paper" else 0)
+    assert worker["rows_evicted"] >= 12 and worker["dense_rows"] >= (1 if compresses_prompt(policy) else 0)
     assert got != res["plain"]["outputs"]  # eviction changed something
 
 
 @needs_vllm
 def test_blocks_held_never_exceed_the_cap(runs, prompts):
     res = _result(runs, "exact")
-    for name in GREEDY + ["vase"]:
+    for name in [p for p in MATRIX if compresses_prompt(p)]:
         sched, worker = res[name]["stats"]["scheduler"], res[name]["stats"]["worker"]
         assert sched["cap_blocks"] == CAP_BLOCKS
         assert sched["max_blocks_held"] == CAP_BLOCKS and sched["max_over_cap"] <= 0, (name, sched)

@@ -1,5 +1,5 @@
-"""Engines one after another on the same prompts, greedy: their tokens and counters (tests/test_vllm.py compares them
-with plain vLLM and with vase on transformers).
+"""Engines one after another on the same prompts, greedy: their tokens and counters (tests/vllm/test_vllm.py compares
+them with plain vLLM and with vase on transformers).
 
 Job: ``{"model", "prompts": [[ids]], "max_tokens", "engines": [{"name", "vase": engine_args kwargs or null,
 "seeds": [one per prompt] or null, "kw": extra LLM kwargs}]}``. Result: ``{name: {"outputs": [[ids]], "stats"}}``.

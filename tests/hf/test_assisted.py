@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import vase
-
-from .conftest import random_ids, tiny_model
-from .test_hybrid import hybrid_model
+from tests.conftest import random_ids, tiny_model
+from tests.hf.test_hybrid import hybrid_model
 
 ASSISTED = ["prompt_lookup", "assistant_model"]
 

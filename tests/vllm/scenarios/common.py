@@ -1,7 +1,7 @@
-"""Shared by the vLLM scenario scripts (run with ``.venv-vllm/bin/python`` by tests/test_vllm.py).
+"""Shared by the vLLM scenario scripts (run with ``.venv-vllm/bin/python`` by tests/vllm/test_vllm.py).
 
 Each script reads a JSON job (model folder, prompts as token ids, engines to run), starts each engine in-process with
-the fast CPU settings of ../shared/VLLM.md, and writes a JSON result file; tests/test_vllm.py asserts on it.
+the fast CPU settings of ../shared/VLLM.md, and writes a JSON result file; tests/vllm/test_vllm.py asserts on it.
 """
 
 from __future__ import annotations

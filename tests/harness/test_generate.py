@@ -13,10 +13,9 @@ from transformers import DynamicCache
 from typer.testing import CliRunner
 
 import vase
+from tests.conftest import TinyTokenizer, need_data, random_ids, tiny_model
 from vase.cli import app
 from vase.harness.generation import encode_prompts, generate
-
-from .conftest import TinyTokenizer, need_data, random_ids, tiny_model
 
 runner = CliRunner()
 STATS = re.compile(
@@ -246,7 +245,7 @@ def test_model_load_errors(tmp_path):
 
 def test_python_api_compile(monkeypatch):
     """``generate(..., compile=True)``: a compileable cache and transformers' compiled decode steps (aot_eager here;
-    inductor in tests/test_compile.py): the same completions as without."""
+    inductor in tests/hf/test_compile.py): the same completions as without."""
     import torch._dynamo
 
     import vase.harness.generation

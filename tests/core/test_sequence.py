@@ -1,0 +1,175 @@
+"""The core's sequence model (:mod:`vase.core.sequence`): schedule, row tables, query ring, and a third integration.
+
+The last test builds a toy integration — plain tensors for keys and values, a dozen lines of storage — on the core's
+sequence model alone, feeds it the keys, values and queries the transformers cache saw, and gets the same kept sets
+as :mod:`vase.hf` at every step: what an integration must provide is storage and attention, nothing more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vase
+from tests.conftest import random_ids, tiny_model
+from vase.core.config import VaseConfig
+from vase.core.evict import gather_kept
+from vase.core.ring import QueryRing
+from vase.core.schedule import Schedule, first_limit
+from vase.core.sequence import Sequences
+from vase.core.tables import RowTables
+
+
+# -------------------------------------------------------------------------------------------------- schedule
+def test_first_limit_follows_the_prompt_only_when_dense():
+    kw = dict(budget=64, buffer=16, evicts=True)
+    assert first_limit(10, compress_prompt=True, **kw) == 80
+    assert first_limit(500, compress_prompt=True, **kw) == 80
+    assert first_limit(10, compress_prompt=False, **kw) == 80  # at least budget + buffer
+    assert first_limit(100, compress_prompt=False, **kw) == 96 + 16  # the first multiple of 16 above 100
+    assert first_limit(112, compress_prompt=False, **kw) == 112 + 16
+    assert first_limit(100, budget=64, buffer=16, evicts=False, compress_prompt=True) == 116  # never evicts: grows
+
+
+def test_schedule_plans_evictions_fills_and_counts():
+    s = Schedule(budget=8, buffer=4, slots=8, evicts=True, compress_prompt=True)
+    s.admit(0, 5)
+    s.admit(1, 20)
+    step = s.plan([0, 1], [5, 20])  # row 1 does not fit: compressed at prefill
+    assert (step.keep, step.evict, step.fill_after, step.seen_before) == ([5, 8], [1], [5, 20], [0, 0])
+    s.commit(step)
+    assert (s.fill, s.seen, s.evictions, s.tokens_evicted, s.eviction_steps) == ([5, 8], [5, 20], [0, 1], 12, 1)
+    assert s.room() == [7, 4]
+    for _ in range(3):
+        s.commit(s.plan([0, 1], [1, 1]))
+    step = s.plan([0, 1], [1, 1])  # row 1 reaches 8 + 4
+    assert step.evict == [1] and step.keep == [9, 8] and step.latest == [8, 23]
+    s.commit(step)
+    assert s.evictions == [0, 2] and s.rows_evicted == 2 and s.tokens_evicted == 12 + 4
+
+
+def test_schedule_quantization_limits():
+    s = Schedule(budget=16, buffer=8, slots=16, evicts=True, compress_prompt=True, quantize=True)
+    s.admit(0, 3)
+    s.commit(s.plan([0], [3]))
+    for _ in range(4):
+        s.commit(s.plan([0], [1], append=True))
+    step = s.plan([0], [1], append=True)  # 8 recent tokens: quantized, without an eviction
+    assert step.qlimit == [8] and step.flush == [0] and not step.evict
+    s.commit(step)
+    assert s.room() == [8]
+
+
+# --------------------------------------------------------------------------------------------- tables, ring
+def test_tables_write_kept_and_held():
+    t = RowTables([0], ("acc",), {"acc_upto": -1})
+    t.allocate(0, rows=2, heads=1, width=6, device="cpu")
+    t.put_span(0, 0, torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]))
+    t.state[0]["acc"][:, :, :4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    idx = torch.tensor([[[0, 2, 3]]])
+    p, s = t.held(0, torch.tensor([1]), 4)
+    _, _, kept, st = gather_kept(idx, torch.tensor([2]), torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), p, s)
+    t.write_kept(0, torch.tensor([1]), kept, st)
+    assert t.positions[0][1, 0].tolist() == [0, 2, -1, -1, -1, -1]
+    assert t.state[0]["acc"][1, 0].tolist() == [1.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+    assert t.positions[0][0, 0].tolist() == [0, 1, 2, 3, -1, -1]  # the other row untouched
+    p, s = t.held(0, None, 8, never_evicted=[True, False])  # a row never compacted holds position i in slot i
+    assert p[0, 0].tolist() == list(range(8)) and p[1, 0].tolist() == [0, 2, -1, -1, -1, -1, -1, -1]
+    assert t.memo[0]["acc_upto"].tolist() == [-1, -1]
+
+
+def test_ring_has_one_pointer_per_row():
+    ring = QueryRing(layers=1, window=3)
+    ring.prepare(2, "cpu")
+    ring.allocate(0, q_heads=1, head_dim=1, dtype=torch.float32, device="cpu")
+    w = ring.plan([0, 1], [2, 5], [0, 0])  # row 0 saves its 2 tokens, row 1 its last 3
+    assert w.kind == "scatter" and w.offsets == [0, 1, 2, 3, 4]
+    ring.write(0, w, torch.tensor([10.0, 11.0, 22.0, 23.0, 24.0]).view(5, 1, 1))
+    ring.commit(w)
+    assert ring.next == [2, 0]
+    w = ring.plan([0, 1], [1, 1], [2, 5])
+    ring.write(0, w, torch.tensor([12.0, 25.0]).view(2, 1, 1))
+    ring.commit(w)
+    q, pos, valid = ring.read(0)
+    assert q[:, 0, :, 0].tolist() == [[10.0, 11.0, 12.0], [25.0, 23.0, 24.0]]
+    assert pos.tolist() == [[0, 1, 2], [5, 3, 4]] and bool(valid.all())
+
+
+# ------------------------------------------------------------------------------------- a third integration
+class ToyIntegration:
+    """vase in an imaginary engine: keys and values in plain tensors, attention done elsewhere; everything else is
+    the core's sequence model."""
+
+    def __init__(self, config: VaseConfig, layers: int, heads: int, dim: int):
+        self.seq = Sequences(config, list(range(layers)))
+        self.cap = config.budget + config.buffer
+        self.k = torch.zeros(layers, 1, heads, self.cap, dim)  # the storage: a dozen lines, this class
+        self.v = torch.zeros_like(self.k)
+
+    def step(self, keys, values, queries, scaling) -> None:
+        """One forward of ``n`` tokens: ``keys[l]``, ``values[l]`` ``[1, H, n, D]``, ``queries[l]`` ``[1, Hq, n,
+        D]``."""
+        seq, n = self.seq, keys[0].shape[2]
+        if not seq.schedule.rows:
+            seq.admit(0, n, seed=3)
+            seq.ring.prepare(1, "cpu")
+        plan = seq.schedule.plan([0], [n])
+        ring = seq.ring.plan([0], [n], plan.seen_before)
+        f, after = plan.fill_before[0], plan.fill_after[0]
+        for li in range(len(keys)):
+            if not seq.tables.allocated(li):
+                seq.tables.allocate(li, 1, keys[li].shape[1], self.cap, "cpu")
+                seq.ring.allocate(li, queries[li].shape[1], queries[li].shape[3], torch.float32, "cpu")
+            self.k[li, :, :, f:after], self.v[li, :, :, f:after] = keys[li], values[li]
+            seq.tables.put_span(li, f, torch.arange(plan.seen_before[0], plan.seen_before[0] + n).view(1, n))
+            q = queries[li][:, :, -ring.index.numel() :] if ring.kind == "block" else queries[li][:, :, -1:]
+            seq.ring.write(li, ring, q)
+            if plan.evict:
+                pos, state = seq.tables.positions[li], seq.tables.state[li]
+                valid = torch.arange(self.cap).view(1, -1) < after
+                ev = seq.evict(li, plan, [0], self.k[li], self.v[li], pos, valid, state, scaling=scaling)
+                k, v, p, st = gather_kept(ev.indices, ev.keep, self.k[li], self.v[li], pos, ev.state)
+                self.k[li, :, :, : k.shape[2]], self.v[li, :, :, : k.shape[2]] = k, v
+                seq.tables.write_kept(li, None, p, st)
+        seq.commit(plan, ring)
+
+
+@pytest.mark.parametrize("policy", ["vase", "h2o"])
+def test_a_toy_integration_keeps_what_vase_hf_keeps(policy):
+    model = tiny_model("llama")
+    cache = vase.EvictingCache(model, policy=policy, budget=24, buffer=8, seed=3)
+    seen: list[dict] = []  # per forward: each layer's new keys, values, queries (what the hf cache was given)
+    update = cache.update
+
+    def spy_update(k, v, layer_idx, *args, **kwargs):
+        seen[-1]["kv"].append((k.clone(), v.clone()))
+        return update(k, v, layer_idx, *args, **kwargs)
+
+    cache.update = spy_update
+    for layer in cache.layers:
+        record = layer.record_queries
+
+        def spy_record(query, scaling, record=record):
+            seen[-1]["q"].append(query.clone())
+            seen[-1]["scaling"] = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return record(query, scaling)
+
+        layer.record_queries = spy_record
+    snapshots = []
+    with torch.no_grad():
+        ids = random_ids(20)
+        for _ in range(70):
+            seen.append({"kv": [], "q": []})
+            logits = model(input_ids=ids, cache=cache).logits
+            ids = logits[:, -1:].argmax(-1)
+            snapshots.append([layer.positions[0].clone() for layer in cache.layers])
+    assert cache.stats().evictions >= 7
+    toy = ToyIntegration(cache.config, len(cache.layers), cache.num_kv_heads, cache.head_dim)
+    for t, (fwd, snap) in enumerate(zip(seen, snapshots)):
+        toy.step([k for k, _ in fwd["kv"]], [v for _, v in fwd["kv"]], fwd["q"], fwd["scaling"])
+        for li, held in enumerate(snap):
+            assert torch.equal(toy.seq.tables.positions[li][0], held), (policy, t, li)
+    for li, layer in enumerate(cache.layers):
+        for name, state in layer.state.items():
+            assert torch.equal(toy.seq.tables.state[li][name], state), (policy, name)
+        assert torch.equal(toy.k[li], layer.keys)
