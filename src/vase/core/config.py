@@ -301,7 +301,10 @@ class VaseConfig:
             recent=recent_window(built, None, buffer, sinks),
             compress_prompt=built.compress_prompt if compress_prompt is None else bool(compress_prompt),
             compile=bool(compile),
+            element_bytes=element_bytes,
         )
+        if element_bytes is not None:
+            check_element_bytes(element_bytes)
         if compile:
             check_compileable_policy(built)
         if built.options.get("kv_bits") is not None and built.adaptive_budgets:

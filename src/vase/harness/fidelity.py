@@ -190,8 +190,9 @@ def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[s
     for policy in config.policies:
         for kind, values in (("budget", config.budgets), ("ratio", config.ratios), ("bytes", config.byte_ratios)):
             for value in values:
-                size = {"byte_ratio": value, "element_bytes": element} if kind == "bytes" else {kind: value}
-                cfg = VaseConfig.resolve(policy, buffer=config.buffer, **size)
+                # the model's element size for every kind: a kv_bits record gives its bytes at a token budget too
+                size = {"byte_ratio": value} if kind == "bytes" else {kind: value}
+                cfg = VaseConfig.resolve(policy, buffer=config.buffer, element_bytes=element, **size)
                 cfg.for_length(shortest, published=config.has_published)  # a ratio's smallest budget must fit too
                 resolved[(policy, kind, float(value))] = cfg
     return resolved
