@@ -240,6 +240,20 @@ def test_outlier_guard_factor_and_evict_mode():
     assert sel.indices[0, 1].tolist() == [0, 1, 2, 4, 6, 11], "outliers 3, 5, 7 evicted first"
 
 
+@pytest.mark.parametrize(("metric", "slot"), [("range", 1), ("l2", 2), ("var", 3)])
+def test_guard_metric_ranks_values_by_its_own_measure(metric, slot):
+    """Three candidates that each metric ranks differently: slot 1 (3, -3, 0, 0) has the largest range (6), slot 2
+    (4, 4, 4, 4) the largest L2 norm (8), slot 3 (5, 0, 0, 0) the largest variance (6.25 against 6, unbiased over
+    head_dim). A budget of sink + recent + one guarded slot keeps exactly the metric's choice."""
+    values = torch.tensor([[0.1, 0, 0, 0], [3, -3, 0, 0], [4, 4, 4, 4], [5, 0, 0, 0], [0.2, 0, 0, 0], [0.1, 0, 0, 0]])
+    ctx, forced = hand_ctx(torch.zeros(1, 6, 4), values.view(1, 6, 4), budget=3)
+    guard = ValueGuard(metric, share=1 / 3)
+    assert guard.count(3) == 1
+    sel = select(Fixed(), TopK(), guard, ctx, torch.tensor([3]), 3, forced)
+    assert sel.protected[0, 0].nonzero().flatten().tolist() == [slot]
+    assert sel.indices[0, 0].tolist() == [0, slot, 5]
+
+
 def test_share_guard_unchanged_protects_a_fixed_count():
     ctx, forced = _guard_ctx()
     sel = select(Fixed(), TopK(), ValueGuard("range", share=2 / 6), ctx, torch.tensor([6]), 6, forced)
