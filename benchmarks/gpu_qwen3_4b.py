@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from vase.hf.compat import cache_kwargs
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 QWEN3_4B = dict(
@@ -116,14 +118,14 @@ def run_mode(
 
     def step(nxt: torch.Tensor, position: int) -> torch.Tensor:
         if not use_compiled:
-            return model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+            return model(input_ids=nxt, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         if prepare is not None:
             prepare()
         pos = torch.full((nxt.shape[0], 1), position, dtype=torch.long, device=nxt.device)
-        return compiled(input_ids=nxt, cache=cache, position_ids=pos).logits[:, -1:].argmax(-1)
+        return compiled(input_ids=nxt, **cache_kwargs(cache), position_ids=pos).logits[:, -1:].argmax(-1)
 
     t0 = time.perf_counter()
-    nxt = model(input_ids=prompt, cache=cache).logits[:, -1:].argmax(-1)
+    nxt = model(input_ids=prompt, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     sync(device)
     prefill = time.perf_counter() - t0
     skip = warmup if use_compiled else 0

@@ -31,6 +31,7 @@ import torch
 
 from vase.harness.evaluate import read_records
 from vase.harness.fidelity import compare, replay
+from vase.hf.compat import cache_kwargs
 from vase.hf.models import load_model
 
 
@@ -64,11 +65,11 @@ def hf_replay(model, prompt: torch.Tensor, cont: torch.Tensor, nbits: int, group
     cache = QuantizedCache(
         backend="quanto", config=model.config, nbits=nbits, q_group_size=group, residual_length=residual
     )
-    out = [torch.log_softmax(model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:].float(), -1)]
+    out = [torch.log_softmax(model(input_ids=prompt.view(1, -1), **cache_kwargs(cache)).logits[0, -1:].float(), -1)]
     fed = cont[:-1]
     for start in range(0, fed.numel(), residual):
         chunk = fed[start : start + residual].view(1, -1)
-        out.append(torch.log_softmax(model(input_ids=chunk, cache=cache).logits[0].float(), -1))
+        out.append(torch.log_softmax(model(input_ids=chunk, **cache_kwargs(cache)).logits[0].float(), -1))
     return torch.cat(out), quanto_bytes(cache)
 
 

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from vase.core import quant
+from vase.hf.compat import cache_kwargs
 from vase.hf.models import load_model
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt"
@@ -51,7 +52,7 @@ def main() -> None:
     lm = load_model()
     ids = lm.tokenizer(args.text.read_text(encoding="utf-8")[: args.tokens * 8], return_tensors="pt")["input_ids"]
     cache = DynamicCache(config=lm.model.config)
-    lm.model(input_ids=ids[:, : args.tokens], cache=cache)
+    lm.model(input_ids=ids[:, : args.tokens], **cache_kwargs(cache))
     g = args.group
     head = ["bits", "keys per token", "keys per token, channel factors (vase)", "keys per channel (KIVI)", "values"]
     print("| " + " | ".join(head) + " |")

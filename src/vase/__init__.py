@@ -4,7 +4,7 @@ Value-Aware Stochastic Eviction (VaSE, arXiv 2606.03928) and the usual baselines
 
     import vase
     cache = vase.EvictingCache(model, policy="vase", budget=1024)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=4096)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=4096)  # any release: **vase.cache_kwargs(cache)
     print(cache.stats().line())
 
 Or in one call, batched: ``vase.generate(model, tokenizer, prompts, policy="vase", compression_ratio=4)``.
@@ -25,6 +25,7 @@ _EXPORTS = {
     "EvictingCache": "vase.hf.cache",
     "compile_config": "vase.hf.compiled",
     "load_model": "vase.hf.models",
+    "cache_kwargs": "vase.hf.compat",
     "generate": "vase.harness.generation",
     "POLICY_NAMES": "vase.core.policies",
     "make_policy": "vase.core.policies",

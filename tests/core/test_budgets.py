@@ -20,6 +20,7 @@ from tests.conftest import random_ids, tiny_model
 from tests.hf.test_ragged import check_ragged_equals_alone
 from vase.core.budgets import check_head_budgets_supported, head_counts, head_mask, layout, pyramid_budgets
 from vase.core.selection import TopK, ValueGuard, select, structural_masks
+from vase.hf.compat import cache_kwargs
 
 torch.set_num_threads(1)
 
@@ -200,7 +201,7 @@ def _reference_logits(model, cache, ids: torch.Tensor) -> torch.Tensor:
 
 def _step(model, cache, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=ids, cache=cache, use_cache=True).logits[0]
+        return model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[0]
 
 
 def _poison_dead_slots(cache) -> int:
@@ -298,7 +299,7 @@ def test_adaptive_path_with_uniform_counts_equals_uniform_cache(policy, variant)
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            cache=cache,
+            **cache_kwargs(cache),
             max_new_tokens=40,
             min_new_tokens=40,
             do_sample=False,
@@ -451,7 +452,7 @@ def test_hybrid_models_with_adaptive_budgets(fam):
     ref = MaskedDense(ref_model)
     default = DynamicCache(config=ref_model.config)
     with torch.no_grad():
-        ref_model(input_ids=ids, cache=default)
+        ref_model(input_ids=ids, **cache_kwargs(default))
         for t in range(steps):
             seen = ids.shape[1] + t
             ref.allowed = {}
@@ -462,7 +463,7 @@ def test_hybrid_models_with_adaptive_budgets(fam):
                     allowed[0, h, pos[h][pos[h] >= 0]] = True
                 allowed[..., seen] = True
                 ref.allowed[i] = allowed
-            out = ref_model(input_ids=tokens[:, t : t + 1], cache=default).logits[:, -1]
+            out = ref_model(input_ids=tokens[:, t : t + 1], **cache_kwargs(default)).logits[:, -1]
             torch.testing.assert_close(out, logits[t], rtol=1e-4, atol=1e-5)
 
 
@@ -477,8 +478,8 @@ def test_fidelity_replay_with_adaptive_budgets_reports_its_memory():
     logprobs, cache = replay(model, prompt, cont, policy, BUDGET, BUFFER, record=True)
     step = vase.EvictingCache(model, policy=policy, budget=BUDGET, buffer=BUFFER)
     with torch.no_grad():
-        out = [model(input_ids=prompt.view(1, -1), cache=step).logits[0, -1:]]
-        out += [model(input_ids=t.view(1, 1), cache=step).logits[0] for t in cont[:-1]]
+        out = [model(input_ids=prompt.view(1, -1), **cache_kwargs(step)).logits[0, -1:]]
+        out += [model(input_ids=t.view(1, 1), **cache_kwargs(step)).logits[0] for t in cont[:-1]]
     torch.testing.assert_close(logprobs, torch.log_softmax(torch.cat(out), -1), atol=1e-4, rtol=1e-4)
     info = adaptive_slots(cache)
     assert info["slots"] == cache.slots == 2 * BUDGET

@@ -19,6 +19,7 @@ from tests.conftest import random_ids, tiny_lm, tiny_model
 from tests.hf.test_ragged import assert_row_equal, run_phases
 from vase.core.pages import PageSelection, PageTable, page_bound, select_pages
 from vase.harness.measure import decode_run, kv_bytes
+from vase.hf.compat import cache_kwargs
 
 # Hand-made case: page 4, head_dim 2, one KV head; pages 1-4 have these element-wise key minima / maxima.
 HAND_MIN = {1: (-1.0, 0.0), 2: (0.0, 0.0), 3: (-3.0, -1.0), 4: (0.5, 0.5)}
@@ -128,7 +129,9 @@ def test_decode_mask_selects_the_top_pages_of_the_held_keys(attn, monkeypatch):
     monkeypatch.setattr(PageSelection, "mask", spy)
     cache = vase.EvictingCache(model, policy="quest:page=8", budget=40, buffer=8)
     with torch.no_grad():
-        model.generate(input_ids=random_ids(50), max_new_tokens=30, min_new_tokens=30, do_sample=False, cache=cache)
+        model.generate(
+            input_ids=random_ids(50), max_new_tokens=30, min_new_tokens=30, do_sample=False, **cache_kwargs(cache)
+        )
     assert len(seen) == 29 * 2
     for li, m, query, qpos in seen:
         allowed = m if m.dtype == torch.bool else m == 0
@@ -150,17 +153,17 @@ def test_budget_at_least_the_length_equals_the_full_cache(family, attn):
     ids = random_ids(24)
     ref = model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
     cache = vase.EvictingCache(model, policy="quest", budget=64, buffer=8)
-    out = model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, cache=cache)
+    out = model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **cache_kwargs(cache))
     assert torch.equal(out, ref)
     # logits too, step by step, against DynamicCache
     full, quest = DynamicCache(config=model.config), vase.EvictingCache(model, policy="quest", budget=64, buffer=8)
     with torch.no_grad():
-        a = model(input_ids=ids, cache=full).logits
-        b = model(input_ids=ids, cache=quest).logits
+        a = model(input_ids=ids, **cache_kwargs(full)).logits
+        b = model(input_ids=ids, **cache_kwargs(quest)).logits
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         for t in out[0, 24:40]:
-            a = model(input_ids=t.view(1, 1), cache=full).logits
-            b = model(input_ids=t.view(1, 1), cache=quest).logits
+            a = model(input_ids=t.view(1, 1), **cache_kwargs(full)).logits
+            b = model(input_ids=t.view(1, 1), **cache_kwargs(quest)).logits
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     st = quest.stats()
     assert st.evictions == 0 and st.slots_held == 40
@@ -174,12 +177,12 @@ def test_budget_at_least_the_length_equals_the_full_cache(family, attn):
 
 def _decode_logits(model, prompt, cont, cache, chunk: bool):
     with torch.no_grad():
-        out = [model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:]]
+        out = [model(input_ids=prompt.view(1, -1), **cache_kwargs(cache)).logits[0, -1:]]
         if chunk:
-            out.append(model(input_ids=cont[:-1].view(1, -1), cache=cache).logits[0])
+            out.append(model(input_ids=cont[:-1].view(1, -1), **cache_kwargs(cache)).logits[0])
         else:
             for t in cont[:-1]:
-                out.append(model(input_ids=t.view(1, 1), cache=cache).logits[0])
+                out.append(model(input_ids=t.view(1, 1), **cache_kwargs(cache)).logits[0])
     return torch.log_softmax(torch.cat(out).float(), -1)
 
 
@@ -230,7 +233,9 @@ def test_page_metadata_equals_min_max_of_the_held_keys():
     model = tiny_model("llama")
     cache = vase.EvictingCache(model, policy="quest", budget=48, buffer=8)
     with torch.no_grad():
-        model.generate(input_ids=random_ids(37), max_new_tokens=60, min_new_tokens=60, do_sample=False, cache=cache)
+        model.generate(
+            input_ids=random_ids(37), max_new_tokens=60, min_new_tokens=60, do_sample=False, **cache_kwargs(cache)
+        )
     for layer in cache.layers:
         n = cache.fill[0] // 16  # complete pages
         k = layer.keys[:, :, : n * 16].unflatten(2, (n, 16))
@@ -246,7 +251,7 @@ def test_stats_count_the_page_metadata_and_grow_with_length():
     assert kv[1] > kv[0]  # the whole cache is kept
     cache = vase.EvictingCache(model, policy="quest", budget=48, buffer=8)
     with torch.no_grad():
-        model.generate(input_ids=ids, max_new_tokens=150, min_new_tokens=150, do_sample=False, cache=cache)
+        model.generate(input_ids=ids, max_new_tokens=150, min_new_tokens=150, do_sample=False, **cache_kwargs(cache))
     st = cache.stats()
     buffers = sum(layer.keys.numel() * 4 * 2 for layer in cache.layers)
     meta = sum(layer.pages.nbytes for layer in cache.layers)

@@ -36,6 +36,7 @@ from vase.core import rng
 from vase.core.policies import make_policy
 from vase.core.scoring import STREAM_PROJECTION, STREAM_SAMPLE, EvictionContext
 from vase.harness.outliers import PlantedValues
+from vase.hf.compat import cache_kwargs
 
 SINKS = 4
 
@@ -347,7 +348,7 @@ def run_against_reference(spec: str, prompt: int, steps: int, budget: int = 128,
     held, seen_ev = [], [None] * len(cache.layers)
     try:
         with torch.no_grad():
-            logits = model(input_ids=ids, cache=cache).logits
+            logits = model(input_ids=ids, **cache_kwargs(cache)).logits
             for layer in cache.layers:
                 for b in range(2):
                     for h in range(H):
@@ -356,7 +357,7 @@ def run_against_reference(spec: str, prompt: int, steps: int, budget: int = 128,
             for _ in range(steps):
                 nxt = logits[:, -1:].argmax(-1)
                 before = list(cache.seq.schedule.evictions)
-                logits = model(input_ids=nxt, cache=cache).logits
+                logits = model(input_ids=nxt, **cache_kwargs(cache)).logits
                 held.append(cache.fill[0])
                 for layer in cache.layers:
                     ev = layer.last_eviction
@@ -425,9 +426,9 @@ def test_compressed_prompt_schedule():
         ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(3))
         held = []
         with torch.no_grad():
-            logits = model(input_ids=ids, cache=cache).logits
+            logits = model(input_ids=ids, **cache_kwargs(cache)).logits
             for _ in range(200):
-                logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+                logits = model(input_ids=logits[:, -1:].argmax(-1), **cache_kwargs(cache)).logits
                 held.append(cache.fill[0])
         fill = min(prompt, 128) if prompt >= 128 + 64 else prompt
         expect = []

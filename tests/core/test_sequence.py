@@ -18,6 +18,7 @@ from vase.core.ring import QueryRing
 from vase.core.schedule import Schedule, first_limit
 from vase.core.sequence import Sequences
 from vase.core.tables import RowTables
+from vase.hf.compat import cache_kwargs
 
 
 # -------------------------------------------------------------------------------------------------- schedule
@@ -160,7 +161,7 @@ def test_a_toy_integration_keeps_what_vase_hf_keeps(policy):
         ids = random_ids(20)
         for _ in range(70):
             seen.append({"kv": [], "q": []})
-            logits = model(input_ids=ids, cache=cache).logits
+            logits = model(input_ids=ids, **cache_kwargs(cache)).logits
             ids = logits[:, -1:].argmax(-1)
             snapshots.append([layer.positions[0].clone() for layer in cache.layers])
     assert cache.stats().evictions >= 7

@@ -12,6 +12,7 @@ from vase.core.policies import make_policy
 from vase.core.scoring import AccumulatedAttention, EvictionContext, WindowAttention, weight_by_value
 from vase.core.selection import TopK, ValueGuard, select, structural_masks
 from vase.harness.outliers import PlantedValues
+from vase.hf.compat import cache_kwargs
 
 torch.set_num_threads(1)
 
@@ -141,7 +142,9 @@ def test_snapkv_value_weight_in_a_generation_equals_direct_computation(how):
     cache = vase.EvictingCache(
         model, policy=f"snapkv:value_weight={how}", budget=budget, buffer=buffer, window=6, record_evictions=True
     )
-    model.generate(input_ids=random_ids(40), max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
+    model.generate(
+        input_ids=random_ids(40), max_new_tokens=12, min_new_tokens=12, do_sample=False, **cache_kwargs(cache)
+    )
     assert cache.stats().evictions >= 2
     for layer in cache.layers:
         ev = layer.last_eviction
@@ -182,7 +185,9 @@ def test_value_weight_none_is_the_default_and_tova_rkv_take_it():
 
     def run(spec):
         cache = vase.EvictingCache(model, policy=spec, budget=20, buffer=8)
-        return model.generate(input_ids=ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, cache=cache)
+        return model.generate(
+            input_ids=ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, **cache_kwargs(cache)
+        )
 
     assert torch.equal(run("snapkv:value_weight=none"), run("snapkv"))
     assert torch.equal(run("h2o:value_weight=none"), run("h2o"))
@@ -272,10 +277,10 @@ def test_outlier_guard_keeps_planted_outliers_and_counts_protections():
     )
     total = 0
     with torch.no_grad():
-        logits = model(input_ids=random_ids(20), cache=cache).logits
+        logits = model(input_ids=random_ids(20), **cache_kwargs(cache)).logits
         for _ in range(40):
             before = cache.stats().evictions
-            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+            logits = model(input_ids=logits[:, -1:].argmax(-1), **cache_kwargs(cache)).logits
             if cache.stats().evictions == before:
                 continue
             for i, layer in enumerate(cache.layers):
@@ -299,12 +304,16 @@ def test_protected_total_with_the_share_guard():
     model = tiny_model("llama")
     budget, buffer = 24, 8
     cache = vase.EvictingCache(model, policy="snapkv:guard=range", budget=budget, buffer=buffer)
-    model.generate(input_ids=random_ids(10), max_new_tokens=40, min_new_tokens=40, do_sample=False, cache=cache)
+    model.generate(
+        input_ids=random_ids(10), max_new_tokens=40, min_new_tokens=40, do_sample=False, **cache_kwargs(cache)
+    )
     st = cache.stats()
     # every eviction of every layer protects round(0.25 * budget) = 6 slots in each of the 2 KV heads
     assert st.evictions > 0 and st.protected == st.evictions * st.layers * 2 * 6
     plain = vase.EvictingCache(model, policy="snapkv", budget=budget, buffer=buffer)
-    model.generate(input_ids=random_ids(10), max_new_tokens=40, min_new_tokens=40, do_sample=False, cache=plain)
+    model.generate(
+        input_ids=random_ids(10), max_new_tokens=40, min_new_tokens=40, do_sample=False, **cache_kwargs(plain)
+    )
     assert plain.stats().protected == 0
 
 
@@ -347,10 +356,10 @@ def test_recent_smaller_than_buffer_lets_older_tokens_of_the_last_buffer_go():
     assert cache.recent == recent
     dropped_young = 0
     with torch.no_grad():
-        logits = model(input_ids=random_ids(10), cache=cache).logits
+        logits = model(input_ids=random_ids(10), **cache_kwargs(cache)).logits
         for _ in range(60):
             before = cache.stats().evictions
-            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+            logits = model(input_ids=logits[:, -1:].argmax(-1), **cache_kwargs(cache)).logits
             if cache.stats().evictions == before:
                 continue
             seen = cache.get_seq_length()
@@ -372,7 +381,9 @@ def test_recent_smaller_than_buffer_lets_older_tokens_of_the_last_buffer_go():
 def test_recent_larger_than_buffer_and_validation():
     model = tiny_model("llama")
     cache = vase.EvictingCache(model, policy="knorm:recent=12", budget=24, buffer=8, record_evictions=True)
-    model.generate(input_ids=random_ids(10), max_new_tokens=30, min_new_tokens=30, do_sample=False, cache=cache)
+    model.generate(
+        input_ids=random_ids(10), max_new_tokens=30, min_new_tokens=30, do_sample=False, **cache_kwargs(cache)
+    )
     seen = cache.get_seq_length()
     for layer in cache.layers:
         assert int(layer.last_eviction["forced"].sum()) == 4 + 12
@@ -433,7 +444,7 @@ def test_new_options_generate_end_to_end(spec, attn):
     budget, buffer = 24, 8
     cache = vase.EvictingCache(model, policy=spec, budget=budget, buffer=buffer)
     ids = random_ids(20, batch=2)
-    out = model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, cache=cache)
+    out = model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **cache_kwargs(cache))
     st = cache.stats()
     assert out.shape == (2, 60) and st.evictions >= 4
     assert st.capacity == budget + buffer and cache.layers[0].keys.shape[2] == budget + buffer

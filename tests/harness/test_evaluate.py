@@ -14,6 +14,7 @@ from vase.harness.evaluate import EvalConfig, merge, read_records, record_key, r
 from vase.harness.fidelity import compare, replay
 from vase.harness.magnitudes import magnitude_table
 from vase.harness.report import write_report
+from vase.hf.compat import cache_kwargs
 
 
 @pytest.fixture()
@@ -273,10 +274,12 @@ def test_chunked_replay_equals_token_by_token_decode():
         cache = vase.EvictingCache(model, policy=policy, budget=24, buffer=8)
         slow = []
         with torch.no_grad():
-            logits = model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:]
+            logits = model(input_ids=prompt.view(1, -1), **cache_kwargs(cache)).logits[0, -1:]
             slow.append(torch.log_softmax(logits.float(), -1))
             for t in cont[:-1]:
-                slow.append(torch.log_softmax(model(input_ids=t.view(1, 1), cache=cache).logits[0].float(), -1))
+                slow.append(
+                    torch.log_softmax(model(input_ids=t.view(1, 1), **cache_kwargs(cache)).logits[0].float(), -1)
+                )
         assert torch.allclose(fast, torch.cat(slow), atol=1e-4)
         assert cache.stats().evictions == 9  # first at 15 + 17 = 32 = budget + buffer, then every 8 tokens
 
@@ -297,7 +300,7 @@ def test_replay_chunks_follow_the_cache_schedule():
             (False, 10, 10, 32),
         ):
             cache = vase.EvictingCache(model, policy="vase", budget=24, buffer=8, compress_prompt=compress)
-            model(input_ids=random_ids(prompt_len), cache=cache)
+            model(input_ids=random_ids(prompt_len), **cache_kwargs(cache))
             assert cache.fill == [fill] and cache.fill[0] + cache.room()[0] == limit
 
 

@@ -16,6 +16,7 @@ import vase
 from tests.conftest import TinyTokenizer, need_data, random_ids, tiny_model
 from vase.cli import app
 from vase.harness.generation import encode_prompts, generate
+from vase.hf.compat import cache_kwargs
 
 runner = CliRunner()
 STATS = re.compile(
@@ -66,9 +67,11 @@ def test_embedded_no_eviction_matches_full_cache(embedded):
     model, tok = embedded.model, embedded.tokenizer
     enc = encode_prompts(tok, ["Write a short poem about the sea."])
     with torch.inference_mode():
-        ref = model.generate(**enc, max_new_tokens=40, do_sample=False, cache=DynamicCache(config=model.config))
+        ref = model.generate(
+            **enc, max_new_tokens=40, do_sample=False, **cache_kwargs(DynamicCache(config=model.config))
+        )
         cache = vase.EvictingCache(model, policy="vase", budget=512)
-        out = model.generate(**enc, max_new_tokens=40, do_sample=False, cache=cache)
+        out = model.generate(**enc, max_new_tokens=40, do_sample=False, **cache_kwargs(cache))
     assert torch.equal(out, ref)
     assert cache.stats().evictions == 0
 
@@ -148,20 +151,20 @@ def test_cache_reused_for_a_new_prompt_says_reset():
     cache = vase.EvictingCache(model, budget=24, buffer=8)
     short = random_ids(10, seed=2)
     with torch.inference_mode():
-        out = model.generate(input_ids=random_ids(30), cache=cache, max_new_tokens=12, do_sample=False)
+        out = model.generate(input_ids=random_ids(30), **cache_kwargs(cache), max_new_tokens=12, do_sample=False)
         assert cache.get_seq_length() == 41 and cache.stats().evictions == 2
         with pytest.raises(ValueError, match=r"already holds 41 tokens .*: call cache.reset\(\) or create a new"):
-            model.generate(input_ids=short, cache=cache, max_new_tokens=5, do_sample=False)
+            model.generate(input_ids=short, **cache_kwargs(cache), max_new_tokens=5, do_sample=False)
         with pytest.raises(ValueError, match=r"attention_mask covers 10 tokens for 10 new ones \(41 \+ 10 expected"):
-            model(input_ids=short, attention_mask=torch.ones_like(short), cache=cache)
+            model(input_ids=short, attention_mask=torch.ones_like(short), **cache_kwargs(cache))
         assert cache.get_seq_length() == 41  # the refused calls changed nothing
         more = torch.cat([out, random_ids(3, seed=4)], 1)  # the same sequence, continued: all its tokens + 3 new
-        cont = model.generate(input_ids=more, cache=cache, max_new_tokens=4, do_sample=False)
+        cont = model.generate(input_ids=more, **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
         assert cont.shape[1] == more.shape[1] + 4 and cache.get_seq_length() == 48
         cache.reset()
-        again = model.generate(input_ids=short, cache=cache, max_new_tokens=5, do_sample=False)
+        again = model.generate(input_ids=short, **cache_kwargs(cache), max_new_tokens=5, do_sample=False)
         ref = model.generate(
-            input_ids=short, cache=DynamicCache(config=model.config), max_new_tokens=5, do_sample=False
+            input_ids=short, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=5, do_sample=False
         )
     assert torch.equal(again, ref)  # 15 tokens: under the budget, so exactly the full cache's output
 

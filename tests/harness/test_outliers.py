@@ -12,6 +12,7 @@ from vase.core.policies import make_policy
 from vase.core.scoring import EvictionContext
 from vase.harness.fidelity import FidelityConfig, planted_positions, replay, run_fidelity
 from vase.harness.outliers import PlantedValues, kept_share
+from vase.hf.compat import cache_kwargs
 
 
 def test_planting_scales_the_chosen_values_only():
@@ -21,10 +22,10 @@ def test_planting_scales_the_chosen_values_only():
 
     with torch.no_grad():
         plain = DynamicCache(config=model.config)
-        model(input_ids=ids, cache=plain)
+        model(input_ids=ids, **cache_kwargs(plain))
         hooks = PlantedValues(layers=[1], positions=[7, 30], scale=20.0).attach(model)
         planted = DynamicCache(config=model.config)
-        model(input_ids=ids, cache=planted)
+        model(input_ids=ids, **cache_kwargs(planted))
         hooks.detach()
     v0, v1 = plain.layers[1].values[0], planted.layers[1].values[0]  # [H, T, D]
     rng0 = v0.amax(-1) - v0.amin(-1)

@@ -10,6 +10,7 @@ import torch
 import vase
 from tests.conftest import random_ids, tiny_model
 from tests.hf.test_hybrid import hybrid_model
+from vase.hf.compat import cache_kwargs
 
 ASSISTED = ["prompt_lookup", "assistant_model"]
 
@@ -24,7 +25,7 @@ def _generate(model, cache, ids, new: int = 40, **kwargs) -> torch.Tensor:
     return model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        cache=cache,
+        **cache_kwargs(cache),
         max_new_tokens=new,
         min_new_tokens=new,
         do_sample=False,

@@ -9,9 +9,10 @@ from transformers import DynamicCache, Qwen3Config
 import vase
 from tests.conftest import random_ids, tiny_model
 from vase.hf.cache import check_model_supported
+from vase.hf.compat import CACHE_KEYWORD, cache_kwargs
 
 
-def greedy(model, ids, n, cache=None, mask=None, keyword="cache"):
+def greedy(model, ids, n, cache=None, mask=None, keyword=CACHE_KEYWORD):
     kwargs = {} if cache is None else {keyword: cache}
     if mask is not None:
         kwargs["attention_mask"] = mask
@@ -32,23 +33,31 @@ def test_no_eviction_equals_default_cache(family, attn, policy):
     assert st.evictions == 0 and st.tokens_seen == 59 and st.slots_held == 59
 
 
-def test_new_cache_keyword_and_hand_loop():
+def test_cache_keyword_of_this_transformers_and_hand_loop():
+    """The keyword that hands a cache over: ``cache`` in the newer transformers (the old ``past_key_values`` still
+    works there, with a warning), ``past_key_values`` before the rename (5.19); ``vase.cache_kwargs`` picks it."""
     model = tiny_model("qwen3")
     ids = random_ids(16)
     ref = greedy(model, ids, 30)
-    with pytest.warns(FutureWarning, match="past_key_values"):  # the old keyword still works in 5.24
-        out = greedy(model, ids, 30, vase.EvictingCache(model, budget=64, buffer=8), keyword="past_key_values")
-    assert torch.equal(out, ref)
+    assert vase.cache_kwargs(None) == {CACHE_KEYWORD: None}
+    if CACHE_KEYWORD == "cache":
+        with pytest.warns(FutureWarning, match="past_key_values"):
+            out = greedy(model, ids, 30, vase.EvictingCache(model, budget=64, buffer=8), keyword="past_key_values")
+        assert torch.equal(out, ref)
+    else:
+        assert CACHE_KEYWORD == "past_key_values"
+        with pytest.raises(ValueError, match="cache"):  # the newer keyword is an unused model keyword there
+            greedy(model, ids, 30, vase.EvictingCache(model, budget=64, buffer=8), keyword="cache")
 
     # a hand-written forward loop, no generate
     cache = vase.EvictingCache(model, policy="snapkv", budget=64, buffer=8)
     tokens = ids
     with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache).logits
+        logits = model(input_ids=ids, **cache_kwargs(cache)).logits
         for _ in range(30):
             nxt = logits[:, -1:].argmax(-1)
             tokens = torch.cat([tokens, nxt], 1)
-            logits = model(input_ids=nxt, cache=cache).logits
+            logits = model(input_ids=nxt, **cache_kwargs(cache)).logits
     assert torch.equal(tokens, ref)
 
 
@@ -71,14 +80,14 @@ def test_static_buffers_over_long_generation(policy):
     budget, buffer = 48, 16
     cache = vase.EvictingCache(model, policy=policy, budget=budget, buffer=buffer)
     with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache).logits
+        logits = model(input_ids=ids, **cache_kwargs(cache)).logits
         ptrs = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr()) for layer in cache.layers]
         shape = tuple(cache.layers[0].keys.shape)
         assert shape == (1, 2, budget + buffer, 16)
         seen = ids.shape[1]
         for _ in range(1100):
             nxt = logits[:, -1:].argmax(-1)
-            logits = model(input_ids=nxt, cache=cache).logits
+            logits = model(input_ids=nxt, **cache_kwargs(cache)).logits
             seen += 1
             assert cache.get_seq_length() == seen
             assert cache.fill[0] <= budget + buffer - 1
@@ -106,11 +115,11 @@ def test_sinks_recent_and_guard_after_each_eviction():
     ids = random_ids(12)
     checked = 0
     with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache).logits
+        logits = model(input_ids=ids, **cache_kwargs(cache)).logits
         for _ in range(150):
             nxt = logits[:, -1:].argmax(-1)
             before = cache.stats().evictions
-            logits = model(input_ids=nxt, cache=cache).logits
+            logits = model(input_ids=nxt, **cache_kwargs(cache)).logits
             if cache.stats().evictions == before:
                 continue
             seen = cache.get_seq_length()
@@ -261,7 +270,7 @@ def test_prompt_longer_than_budget_is_compressed_at_prefill():
     ids = random_ids(100)
     cache = vase.EvictingCache(model, policy="vase", budget=32, buffer=8, record_evictions=True)
     with torch.no_grad():
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_kwargs(cache))
     assert cache.fill == [32] and cache.get_seq_length() == 100 and cache.stats().evictions == 1
     assert cache.layers[0].keys.shape[2] == 40
     kept = cache.layers[0].positions[0, :, :32]
@@ -269,7 +278,7 @@ def test_prompt_longer_than_budget_is_compressed_at_prefill():
 
     dense = vase.EvictingCache(model, policy="vase", budget=32, buffer=8, compress_prompt=False)
     with torch.no_grad():
-        out = model(input_ids=ids, cache=dense)
+        out = model(input_ids=ids, **cache_kwargs(dense))
     # dense: first eviction at the first multiple of the buffer above the prompt (104), as the reference code
     assert dense.fill == [100] and dense.layers[0].keys.shape[2] == 104
     ref = model(input_ids=ids).logits

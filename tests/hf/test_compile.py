@@ -14,6 +14,7 @@ from transformers import CompileConfig
 
 import vase
 from tests.conftest import random_ids, tiny_model
+from vase.hf.compat import cache_kwargs
 from vase.hf.compiled import check_compileable
 
 POLICIES = [p for p in vase.POLICY_NAMES if p != "quest"]
@@ -38,7 +39,7 @@ def generate(model, cache, ids, mask, new: int, config=None) -> torch.Tensor:
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
-        cache=cache,
+        **cache_kwargs(cache),
         max_new_tokens=new,
         min_new_tokens=new,
         do_sample=False,
@@ -184,14 +185,14 @@ def test_static_path_uncompiled_matches_and_buffers_stay():
 
 
 def _hand_loop(model, cache, forward, prompt: torch.Tensor, steps: int, prepare: bool) -> torch.Tensor:
-    out = model(input_ids=prompt, cache=cache)
+    out = model(input_ids=prompt, **cache_kwargs(cache))
     tok = out.logits[:, -1:].argmax(-1)
     toks = [tok]
     for s in range(steps):
         if prepare:
             cache.prepare_decode()
         pos = torch.full((prompt.shape[0], 1), prompt.shape[1] + s)
-        out = forward(input_ids=tok, cache=cache, position_ids=pos)
+        out = forward(input_ids=tok, **cache_kwargs(cache), position_ids=pos)
         tok = out.logits[:, -1:].argmax(-1)
         toks.append(tok)
     return torch.cat(toks, 1)
@@ -262,14 +263,14 @@ def test_compiled_decode_no_sync_on_gpu():
     model = tiny_model("llama").cuda()
     ids, mask = ragged()
     cache = vase.EvictingCache(model, budget=96, buffer=16, compileable=True)
-    model(input_ids=ids.cuda(), attention_mask=mask.cuda(), cache=cache)
+    model(input_ids=ids.cuda(), attention_mask=mask.cuda(), **cache_kwargs(cache))
     tok = torch.full((2, 1), 5, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for s in range(100):
             cache.prepare_decode()
-            model(input_ids=tok, cache=cache, position_ids=torch.full((2, 1), 40 + s, device="cuda"))
+            model(input_ids=tok, **cache_kwargs(cache), position_ids=torch.full((2, 1), 40 + s, device="cuda"))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert cache.stats().evictions >= 5

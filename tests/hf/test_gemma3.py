@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import vase
+from vase.hf.compat import cache_kwargs
 from vase.hf.layer import EvictingLayer
 
 PROMPT = 492  # tokens, BOS included
@@ -94,7 +95,7 @@ def default_attention(model):
 
 
 def greedy(model, ids, cache=None):
-    extra = {} if cache is None else {"cache": cache}
+    extra = {} if cache is None else cache_kwargs(cache)
     out = model.generate(input_ids=ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, **extra)
     return out[:, ids.shape[1] :]
 
@@ -170,12 +171,12 @@ def test_eviction_only_in_global_layers_sliding_layers_exact(gemma3):
 
     logits, tokens, helds = [], [], []
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache).logits[:, -1]
+        out = model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1]
         assert cache.stats().evictions == 1  # the prompt, longer than the budget, is compressed at prefill
         for _ in range(STEPS):
             helds.append(held())
             tokens.append(out.argmax(-1, keepdim=True))
-            out = model(input_ids=tokens[-1], cache=cache).logits[:, -1]
+            out = model(input_ids=tokens[-1], **cache_kwargs(cache)).logits[:, -1]
             logits.append(out)
             assert max(cache.fill) <= BUDGET + BUFFER
     tokens = torch.cat(tokens, 1)
@@ -191,7 +192,7 @@ def test_eviction_only_in_global_layers_sliding_layers_exact(gemma3):
     model.set_attn_implementation(ref.NAME)
     try:
         with torch.no_grad():
-            model(input_ids=ids, cache=default)
+            model(input_ids=ids, **cache_kwargs(default))
             for t in range(STEPS):
                 seen = PROMPT + t
                 ref.allowed = {}
@@ -201,7 +202,7 @@ def test_eviction_only_in_global_layers_sliding_layers_exact(gemma3):
                     allowed[0].scatter_(1, pos, True)
                     allowed[..., seen] = True  # the new token
                     ref.allowed[i] = allowed
-                out = model(input_ids=tokens[:, t : t + 1], cache=default).logits[:, -1]
+                out = model(input_ids=tokens[:, t : t + 1], **cache_kwargs(default)).logits[:, -1]
                 torch.testing.assert_close(out, logits[t], rtol=1e-4, atol=1e-4)
     finally:
         default_attention(model)

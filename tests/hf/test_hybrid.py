@@ -50,6 +50,7 @@ import vase
 from tests.conftest import VOCAB
 from vase.hf import hybrid
 from vase.hf.cache import check_model_supported
+from vase.hf.compat import cache_kwargs
 from vase.hf.layer import EvictingLayer
 
 FAMILIES = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3", "qwen3_sliding", "qwen3_5", "qwen3_next")
@@ -143,7 +144,7 @@ def ids_of(n: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
 
 
 def greedy(model, ids, n, cache=None, **kw):
-    extra = {} if cache is None else {"cache": cache}
+    extra = {} if cache is None else cache_kwargs(cache)
     return model.generate(
         input_ids=ids,
         max_new_tokens=n,
@@ -243,12 +244,12 @@ def run_with_eviction(model, ids, steps, **cache_kw):
 
     logits, tokens, helds = [], [], []
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache).logits[:, -1]
+        out = model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1]
         for _ in range(steps):
             helds.append(held())
             tok = out.argmax(-1, keepdim=True)
             tokens.append(tok)
-            out = model(input_ids=tok, cache=cache).logits[:, -1]
+            out = model(input_ids=tok, **cache_kwargs(cache)).logits[:, -1]
             logits.append(out)
     return cache, logits, torch.cat(tokens, 1), helds
 
@@ -272,7 +273,7 @@ def test_eviction_matches_masked_dense_reference(fam):
     default = DynamicCache(config=ref_model.config)
     full = [i for i, t in enumerate(ref_model.config.layer_types) if t == "full_attention"]
     with torch.no_grad():
-        ref_model(input_ids=ids, cache=default)
+        ref_model(input_ids=ids, **cache_kwargs(default))
         for t in range(steps):
             seen = ids.shape[1] + t
             ref.allowed = {}
@@ -282,7 +283,7 @@ def test_eviction_matches_masked_dense_reference(fam):
                 allowed[0].scatter_(1, pos, True)
                 allowed[..., seen] = True  # the new token
                 ref.allowed[i] = allowed
-            out = ref_model(input_ids=tokens[:, t : t + 1], cache=default).logits[:, -1]
+            out = ref_model(input_ids=tokens[:, t : t + 1], **cache_kwargs(default)).logits[:, -1]
             torch.testing.assert_close(out, logits[t], rtol=1e-4, atol=1e-5)
 
     seen = ids.shape[1] + steps
@@ -335,8 +336,8 @@ def test_multi_token_continuation_equals_token_by_token(fam):
     chunked = replay(model, prompt, cont, "snapkv", 16, 8)
     cache = vase.EvictingCache(model, policy="snapkv", budget=16, buffer=8)
     with torch.no_grad():
-        steps = [model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:]]
-        steps += [model(input_ids=t.view(1, 1), cache=cache).logits[0] for t in cont[:-1]]
+        steps = [model(input_ids=prompt.view(1, -1), **cache_kwargs(cache)).logits[0, -1:]]
+        steps += [model(input_ids=t.view(1, 1), **cache_kwargs(cache)).logits[0] for t in cont[:-1]]
     torch.testing.assert_close(chunked, torch.log_softmax(torch.cat(steps).float(), -1), rtol=1e-4, atol=1e-4)
     assert cache.stats().evictions >= 5
 

@@ -22,6 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 import vase
 from tests.conftest import random_ids, tiny_model
 from vase.hf import attention as attn
+from vase.hf.compat import cache_kwargs
 
 MIB = 2.0**20
 PROMPT = 1024
@@ -61,7 +62,7 @@ def prefill_peak(attn_impl: str, batch: int, cache_factory) -> int:
 
     def run():
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, cache=cache_factory(model), use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache_factory(model)), use_cache=True)
 
     return peak_bytes(run)
 
@@ -123,9 +124,9 @@ def test_mask_function_builds_nothing_only_with_an_evicting_cache():
     try:
         ids, mask = _inputs(2, 12)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, cache=vase.EvictingCache(model, budget=16, buffer=4))
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(vase.EvictingCache(model, budget=16, buffer=4)))
             assert seen == [None] and not attn.evicting_forward()
-            model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config))
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=model.config)))
     finally:
         ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["vase_eager"] = real
     assert len(seen) == 2 and seen[1].shape == (2, 1, 12, 12)
@@ -142,9 +143,11 @@ def test_padded_prefill_logits_unchanged_with_either_cache(attn_impl):
         ref_one = plain(input_ids=ids[:1]).logits
         model = tiny_model("llama", attn_impl)
         cache = vase.EvictingCache(model, policy="vase", budget=32, buffer=8)
-        out = model(input_ids=ids, attention_mask=mask, cache=cache).logits
-        dense = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits
-        one = model(input_ids=ids[:1], cache=vase.EvictingCache(model, policy="vase", budget=32, buffer=8)).logits
+        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache)).logits
+        dense = model(input_ids=ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=model.config))).logits
+        one = model(
+            input_ids=ids[:1], **cache_kwargs(vase.EvictingCache(model, policy="vase", budget=32, buffer=8))
+        ).logits
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dense[valid], ref[valid], atol=1e-5, rtol=1e-5)

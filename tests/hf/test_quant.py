@@ -16,6 +16,7 @@ from tests.hf.test_ragged import CONTINUATIONS, PROMPTS, SEEDS, STEPS, run_phase
 from vase.core import quant
 from vase.core.config import VaseConfig
 from vase.harness.fidelity import replay
+from vase.hf.compat import cache_kwargs
 from vase.hf.quantized import QuantizedStorage
 from vase.hf.storage import DenseStorage
 
@@ -157,11 +158,11 @@ def test_cli_refuses_bad_quantization_before_loading(args, message):
 def _decode(model, cache, prompt: torch.Tensor, steps: int) -> list[int]:
     tokens = []
     with torch.no_grad():
-        logits = model(input_ids=prompt, cache=cache).logits[:, -1]
+        logits = model(input_ids=prompt, **cache_kwargs(cache)).logits[:, -1]
         for _ in range(steps):
             tok = logits.argmax(-1, keepdim=True)
             tokens.append(int(tok))
-            logits = model(input_ids=tok, cache=cache).logits[:, -1]
+            logits = model(input_ids=tok, **cache_kwargs(cache)).logits[:, -1]
     return tokens
 
 
@@ -217,9 +218,9 @@ def _full_values(model, ids: torch.Tensor, first: int):
     first ``first`` tokens, then one at a time: the same shapes, so the same floating-point results)."""
     cache = vase.EvictingCache(model, policy="full", budget=ids.shape[1] + 8, buffer=8)
     with torch.no_grad():
-        model(input_ids=ids[:, :first], cache=cache)
+        model(input_ids=ids[:, :first], **cache_kwargs(cache))
         for t in range(first, ids.shape[1]):
-            model(input_ids=ids[:, t : t + 1], cache=cache)
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache))
     layer = cache.layers[0]
     return layer.keys[0].clone(), layer.values[0].clone()
 
@@ -241,9 +242,9 @@ def test_guard_entries_bit_exact_and_codes_never_drift():
         seen: dict[tuple[int, int], torch.Tensor] = {}
         checked = 0
         with torch.no_grad():
-            model(input_ids=ids[:, :40], cache=cache)
+            model(input_ids=ids[:, :40], **cache_kwargs(cache))
             for t in range(40, 160):
-                model(input_ids=ids[:, t : t + 1], cache=cache)
+                model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache))
                 layer = cache.layers[0]
                 keys, values = layer.entries()
                 pos = layer.positions[0]
@@ -358,9 +359,9 @@ def test_replay_chunks_equal_token_by_token(spec):
     cache = vase.EvictingCache(model, config=cfg)
     out = []
     with torch.no_grad():
-        out.append(torch.log_softmax(model(input_ids=prompt.view(1, -1), cache=cache).logits[0, -1:], -1))
+        out.append(torch.log_softmax(model(input_ids=prompt.view(1, -1), **cache_kwargs(cache)).logits[0, -1:], -1))
         for t in cont[:-1]:
-            out.append(torch.log_softmax(model(input_ids=t.view(1, 1), cache=cache).logits[0, -1:], -1))
+            out.append(torch.log_softmax(model(input_ids=t.view(1, 1), **cache_kwargs(cache)).logits[0, -1:], -1))
     torch.testing.assert_close(chunked, torch.cat(out), atol=2e-4, rtol=1e-4)
     assert cache.seq.schedule.qlimit[0] == (24 if cfg.policy.evicts else 88) and cache.fill[0] == (
         26 if cfg.policy.evicts else 90

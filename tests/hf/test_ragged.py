@@ -18,6 +18,7 @@ from vase.core.config import VaseConfig
 from vase.core.policy import Policy
 from vase.core.scoring import EvictionContext, Scorer
 from vase.core.selection import TopK
+from vase.hf.compat import cache_kwargs
 
 BUDGET, BUFFER = 16, 8
 # Prompt lengths of the rows and, per row, the length of a second multi-token chunk (a chat continuation).
@@ -44,7 +45,7 @@ def _feed(model, cache, chunks: list[torch.Tensor], mask: torch.Tensor | None):
     mask = new if mask is None else torch.cat([mask, new], 1)
     pos = (mask.cumsum(-1) - 1).clamp_min(0)[:, -q:]
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True)
     return out.logits[:, -1], mask
 
 

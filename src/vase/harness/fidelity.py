@@ -23,6 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from ..core.config import VaseConfig, check_sizes, ratio_budget
+from ..hf.compat import cache_kwargs
 from ..hf.models import check_load_options, resolve_device, resolve_dtype
 from .data import load_problems
 from .evaluate import RunConfig, check_same_config, prepare_dir, read_records
@@ -97,13 +98,17 @@ def replay(
     if config is None:
         config = VaseConfig.resolve(policy, budget=budget, buffer=buffer)
     cache = EvictingCache(model, config=config, seed=seed)
-    out = [torch.log_softmax(model(input_ids=prompt_ids.view(1, -1).to(dev), cache=cache).logits[0, -1:].float(), -1)]
+    out = [
+        torch.log_softmax(
+            model(input_ids=prompt_ids.view(1, -1).to(dev), **cache_kwargs(cache)).logits[0, -1:].float(), -1
+        )
+    ]
     fed = continuation[:-1]
     start = 0
     cut = cache.policy.evicts or cache.quantized  # chunks end where decoding evicts (or quantizes, with kv_bits)
     while start < fed.numel():
         c = fed.numel() - start if not cut else min(fed.numel() - start, cache.room()[0])
-        logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), cache=cache).logits[0]
+        logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), **cache_kwargs(cache)).logits[0]
         out.append(torch.log_softmax(logits.float(), -1))
         start += c
     logprobs = torch.cat(out).cpu()

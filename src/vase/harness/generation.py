@@ -12,6 +12,7 @@ import torch
 
 from ..core.config import DEFAULT_BUDGET, VaseConfig, is_int
 from ..hf.cache import EvictingCache
+from ..hf.compat import cache_kwargs
 from ..hf.compiled import compile_config
 from ..hf.stats import CacheStats
 
@@ -308,7 +309,7 @@ def generate(
     torch.manual_seed(row_seeds[0])
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**enc, cache=cache, streamer=clock, **gen_kwargs)
+        out = model.generate(**enc, **cache_kwargs(cache), streamer=clock, **gen_kwargs)
     seconds = time.perf_counter() - start
     first = (clock.first - start) if clock.first is not None else seconds
     eos = _eos_ids(model, tokenizer)

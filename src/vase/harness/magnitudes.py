@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..hf.compat import cache_kwargs
+
 
 @torch.inference_mode()
 def collect_kv(
@@ -31,10 +33,10 @@ def collect_kv(
     ids = enc["input_ids"]
     if generate_tokens > 0:
         ids = lm.model.generate(
-            **enc, max_new_tokens=generate_tokens, do_sample=False, cache=DynamicCache(config=lm.model.config)
+            **enc, max_new_tokens=generate_tokens, do_sample=False, **cache_kwargs(DynamicCache(config=lm.model.config))
         )
     cache = DynamicCache(config=lm.model.config)
-    lm.model(input_ids=ids, cache=cache)
+    lm.model(input_ids=ids, **cache_kwargs(cache))
     layers = [p.index for p in plan_layers(lm.model.config.get_text_config(decoder=True)) if p.evicts]
     keys = [cache.layers[i].keys[0].float().cpu() for i in layers]
     values = [cache.layers[i].values[0].float().cpu() for i in layers]

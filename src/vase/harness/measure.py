@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import VaseConfig
+from ..hf.compat import cache_kwargs
 
 DEFAULT_PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a mysterious map."
 COMPILED = "+compile"  # the label suffix of a compiled run in compiled_speed's results
@@ -95,7 +96,7 @@ def decode_run(
     device = input_ids.device
     cache = _make_cache(model, policy, budget, buffer)
     t0 = time.perf_counter()
-    logits = model(input_ids=input_ids, cache=cache).logits[:, -1:]
+    logits = model(input_ids=input_ids, **cache_kwargs(cache)).logits[:, -1:]
     _sync(device)
     prefill = time.perf_counter() - t0
     stamps = []
@@ -103,7 +104,7 @@ def decode_run(
     rows, last_mark, mark_set = [], 0, set(marks)
     start = time.perf_counter()
     for i in range(1, tokens + 1):
-        logits = model(input_ids=nxt, cache=cache).logits
+        logits = model(input_ids=nxt, **cache_kwargs(cache)).logits
         nxt = logits[:, -1:].argmax(-1)
         if i in mark_set:
             _sync(device)
@@ -192,7 +193,7 @@ def paired_speed(
     states = []
     for policy in policies:
         cache = (make_cache or _make_cache)(lm.model, policy, budget, buffer)
-        nxt = lm.model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+        nxt = lm.model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         step = (make_step or _eager_step)(lm.model, policy, cache)
         for i in range(warmup):
             nxt = step(nxt, context + i)
@@ -249,7 +250,7 @@ def _cost_counters(cache) -> tuple[float, float, float]:
 
 def _eager_step(model, policy: str, cache):
     def step(nxt: torch.Tensor, position: int) -> torch.Tensor:
-        return model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+        return model(input_ids=nxt, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
 
     return step
 
@@ -323,7 +324,7 @@ def compiled_speed(
                 if prepare is not None:
                     prepare()
                 pos = torch.full((nxt.shape[0], 1), position, dtype=torch.long, device=nxt.device)
-                return compiled(input_ids=nxt, cache=cache, position_ids=pos).logits[:, -1:].argmax(-1)
+                return compiled(input_ids=nxt, **cache_kwargs(cache), position_ids=pos).logits[:, -1:].argmax(-1)
 
             return step
 
@@ -354,13 +355,13 @@ def profile_eviction(
     ids = _repeated_prompt(lm, prompt, budget + buffer + 1)  # compressed at prefill: steady state at once
     cache = _make_cache(lm.model, policy, budget, buffer)
     model = lm.model
-    nxt = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+    nxt = model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     steps = evictions * buffer
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+            nxt = model(input_ids=nxt, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         _sync(lm.device)
     wall = time.perf_counter() - start
     totals: dict[str, float] = {}

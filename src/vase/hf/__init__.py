@@ -9,16 +9,17 @@ and mask registries (:mod:`vase.hf.attention`), hybrid models keep their other l
 import transformers as _transformers
 from packaging.version import Version as _Version
 
-MIN_TRANSFORMERS = "5.24"
+MIN_TRANSFORMERS = "5.17"  # the oldest release tested (pyproject.toml pins the range; vase.hf.compat: what differs)
 if _Version(_transformers.__version__).release[:2] < _Version(MIN_TRANSFORMERS).release[:2]:
     raise ImportError(
         f"vase's transformers integration needs transformers >= {MIN_TRANSFORMERS}; this environment has "
-        f"{_transformers.__version__} (pinned by vLLM?): use vase.vllm here, or another environment for vase.hf"
+        f"{_transformers.__version__}: pip install 'transformers>={MIN_TRANSFORMERS},<5.25'"
     )
 
 from .cache import EvictingCache  # noqa: E402
+from .compat import cache_kwargs  # noqa: E402
 from .compiled import compile_config  # noqa: E402
 from .models import load_model  # noqa: E402
 from .stats import CacheStats  # noqa: E402
 
-__all__ = ["CacheStats", "EvictingCache", "compile_config", "load_model"]
+__all__ = ["CacheStats", "EvictingCache", "cache_kwargs", "compile_config", "load_model"]

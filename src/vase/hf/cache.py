@@ -64,7 +64,8 @@ class EvictingCache(Cache):
     Example::
 
         cache = vase.EvictingCache(model, policy="vase", budget=1024)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)   # or cache=cache
+        out = model.generate(**inputs, cache=cache, max_new_tokens=4096)
+        # transformers before the keyword's rename (5.19): past_key_values=cache; either: **vase.cache_kwargs(cache)
         print(cache.stats().line())
 
     Creating the cache installs vase's attention function on ``model`` (:func:`vase.hf.attention.install`): it saves
@@ -204,7 +205,9 @@ class EvictingCache(Cache):
         if self.adaptive:
             budgets.check_head_budgets_supported(attn.base_implementation(model))
         self.compileable = bool(compileable) or config.compile
-        self.max_cache_len = max_cache_len
+        self.full_length = (
+            max_cache_len  # not `max_cache_len`: transformers < 5.24 has a read-only property of that name
+        )
         self.kv_bits, self.kv_group, self.protect_precision = config.kv_bits, config.kv_group, config.protect_precision
         if self.compileable:
             check_compileable(self.policy, self._plan, attn.base_implementation(model), max_cache_len)

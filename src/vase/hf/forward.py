@@ -181,8 +181,8 @@ class ForwardPlanner:
         capacity = max(sched.first[: self.batch])
         if c.policy.evicts:
             return self._graph_capacity(max(capacity, c.slots + c.buffer))
-        if c.max_cache_len:  # a never-evicting policy with a known length: allocated once
-            return self._graph_capacity(max(capacity, c.max_cache_len))
+        if c.full_length:  # a never-evicting policy with a known length: allocated once
+            return self._graph_capacity(max(capacity, c.full_length))
         return capacity
 
     def _graph_capacity(self, needed: int) -> int:

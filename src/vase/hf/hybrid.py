@@ -26,8 +26,9 @@ from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     CacheLayerMixin,
     LinearAttentionCacheLayerMixin,
-    get_layer_types_and_kwargs,
 )
+
+from .compat import layer_types_and_kwargs
 
 EVICTING_LAYER_TYPES = ("full_attention",)
 """Layer types whose cache vase bounds by eviction."""
@@ -90,7 +91,9 @@ def plan_layers(config) -> list[LayerPlan]:
     """
     model_type = getattr(config, "model_type", "?")
     modes = getattr(config, "kv_sharing_modes", None)
-    if modes is not None and any(m == "reuse" for m in modes):
+    # older transformers (5.19) name only how many of the last layers reuse earlier layers' keys and values
+    shared_layers = getattr(config, "num_kv_shared_layers", 0) or 0
+    if (modes is not None and any(m == "reuse" for m in modes)) or (modes is None and shared_layers > 0):
         raise ValueError(
             f"this model ({model_type}) shares keys and values between layers: {SHARING_REASON}. Load a variant "
             "without KV sharing (e.g. num_kv_shared_layers=0)"
@@ -100,8 +103,7 @@ def plan_layers(config) -> list[LayerPlan]:
     types = list(getattr(config, "layer_types", None) or [])
     kwargs = None
     if not types:
-        types, kwargs = get_layer_types_and_kwargs(config)
-        types = list(types)
+        types, kwargs = layer_types_and_kwargs(config)
     bad: dict[str, list[int]] = {}
     for i, t in enumerate(types):
         if t not in EVICTING_LAYER_TYPES and t not in KEPT_LAYER_TYPES:
@@ -123,7 +125,7 @@ def plan_layers(config) -> list[LayerPlan]:
             "default cache, or a model with full-attention layers"
         )
     if kwargs is None:
-        kwargs = get_layer_types_and_kwargs(config)[1]
+        kwargs = layer_types_and_kwargs(config)[1]
     per_layer = config.per_layer_config
     plan = []
     for i, (t, kw) in enumerate(zip(types, kwargs)):
