@@ -50,6 +50,19 @@ TEXTS = [
 
 
 # ---------------------------------------------------------------------------------------- without vLLM (any env)
+def test_eviction_seed_of_requests_and_parallel_sampling_children():
+    from types import SimpleNamespace as Params
+
+    from vase.vllm.state import child_index, eviction_seed
+
+    assert [child_index(r) for r in ("2_0-1a2b3c4d", "0-1a2b3c4d", "cmpl-9f0e")] == [2, 0, 0]
+    assert eviction_seed("0-1a2b3c4d", Params(extra_args={"vase_seed": 7}, seed=3)) == 7
+    assert eviction_seed("2_0-1a2b3c4d", Params(extra_args={"vase_seed": 7}, seed=3)) == 9
+    assert eviction_seed("2_0-1a2b3c4d", Params(extra_args=None, seed=5)) == 5  # vLLM's child seed: parent's + 2
+    assert eviction_seed("1_0-1a2b3c4d", Params(extra_args={}, seed=None)) == 1
+    assert eviction_seed("0-1a2b3c4d", Params(extra_args=None, seed=None)) == 0
+
+
 def test_spec_string_and_dict_resolve_alike():
     from vase.vllm.settings import parse
 
@@ -338,6 +351,23 @@ def test_sampled_request_unchanged_by_the_batch(runs):
     assert res["in_batch"] == res["alone"]  # others joined before, during and after it
     assert res["sampling_seed"] == res["alone"]  # SamplingParams.seed is the eviction seed without vase_seed
     assert res["batch_stats"]["worker"]["live_max"] >= 3
+
+
+@needs_vllm
+def test_parallel_sampling_gives_each_child_its_own_eviction_seed(runs):
+    """``n`` > 1 (sampled decoding, logprobs): child ``i`` of a request with ``seed=s`` and ``vase_seed=v`` has its own
+    row and draws as a single request with ``seed=s + i`` and ``vase_seed=v + i``; without ``vase_seed`` its eviction
+    seed is its own sampling seed."""
+    res = _result(runs, "batch")
+    kids, alone = res["children"], res["children_alone"]
+    assert len(kids) == 3 and all(len(toks) == len(lps) == NEW for toks, lps in kids)
+    assert [toks for toks, _ in kids] == [toks for toks, _ in alone]
+    for (_, lps), (_, ref) in zip(kids, alone):
+        assert all(lp <= 0 for lp in lps)
+        assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-4
+    assert len({tuple(toks) for toks, _ in kids}) == 3
+    assert res["child1_parent_vase_seed"][0] != kids[1][0]  # the eviction seed matters: the parent's alone differs
+    assert [t for t, _ in res["children_seeded"]] == [t for t, _ in res["children_seeded_alone"]]
 
 
 @needs_vllm

@@ -14,6 +14,7 @@ token counts it is given each step (the schedule's ``fill += n``; a fill reachin
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,28 @@ logger = logging.getLogger("vllm.plugins.vase")
 # The state of this process's worker (one per process: tensor parallelism is refused). The attention backend reads the
 # step's plan from it; in an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) tests and benchmarks read its stats.
 ACTIVE: WorkerState | None = None
+# vLLM fans a request with n > 1 out into child requests named "{index}_{parent id}" (v1/engine/parallel_sampling.py)
+_CHILD_ID = re.compile(r"(\d+)_")
+
+
+def child_index(req_id: str) -> int:
+    """The index of a child of a parallel-sampling request (``SamplingParams(n=...)``) from its engine request id,
+    0 for any other request. vLLM's own ids (``LLM.generate``'s counters, the OpenAI server's ``cmpl-...``) never
+    start with digits and an underscore; a request id of one's own that does is read as a child's."""
+    m = _CHILD_ID.match(req_id)
+    return int(m.group(1)) if m else 0
+
+
+def eviction_seed(req_id: str, sampling_params) -> int:
+    """The seed of a request's sampled eviction: ``extra_args["vase_seed"]`` plus its child index (children of one
+    parallel-sampling request draw apart), else ``SamplingParams.seed`` (vLLM gives child ``i`` the parent's seed
+    plus ``i``), else the child index (0 for a single request)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    index = child_index(req_id)
+    if extra.get("vase_seed") is not None:
+        return int(extra["vase_seed"]) + index
+    seed = getattr(sampling_params, "seed", None)
+    return index if seed is None else int(seed)
 
 
 @dataclass
@@ -145,16 +168,15 @@ class WorkerState:
     def admit(self, req_id: str, sampling_params, prompt_tokens: int) -> None:
         """A request (new, or resumed after a preemption: recomputed from its first token) gets a fresh row.
 
-        Its seed: ``sampling_params.extra_args["vase_seed"]``, else ``sampling_params.seed``, else 0.
+        Its seed: :func:`eviction_seed` (``vase_seed``, else ``SamplingParams.seed``, else 0; the children of an
+        ``n > 1`` request draw apart).
         """
         self.release(req_id)
         if not self.free_rows:
             self._grow(min(max(self.capacity * 2, 1), max(self.max_reqs, self.capacity + 1)))
         r = self.free_rows.pop()
         self.row_of[req_id] = r
-        extra = getattr(sampling_params, "extra_args", None) or {}
-        seed = extra.get("vase_seed", getattr(sampling_params, "seed", None))
-        self.seq.admit(r, prompt_tokens, 0 if seed is None else int(seed))
+        self.seq.admit(r, prompt_tokens, eviction_seed(req_id, sampling_params))
         self.stats["admitted"] += 1
         self.stats["live_max"] = max(self.stats["live_max"], len(self.row_of))
 

@@ -1,5 +1,6 @@
 """Sampled eviction is per request: a request's tokens alone and with other requests joining the batch at different
-steps; the seed from ``SamplingParams.seed`` when ``vase_seed`` is not given; chunked prefill (per-chunk compression).
+steps; the seed from ``SamplingParams.seed`` when ``vase_seed`` is not given; parallel sampling (``n`` > 1, with
+logprobs): each child against a single request with the child's seeds; chunked prefill (per-chunk compression).
 
 Job: ``{"model", "prompts": [[ids]] (the first is the request watched), "max_tokens", "vase": engine_args kwargs,
 "join_steps": [step at which each other prompt joins]}``.
@@ -43,6 +44,20 @@ if __name__ == "__main__":
         step += 1
     result["in_batch"] = done["watched"]
     result["batch_stats"] = common.stats(llm)
+
+    # parallel sampling: child i draws with sampling seed 21 + i (vLLM's rule) and eviction seed 7 + i (vase's)
+    def sampled(**kw):
+        outs = llm.generate([watched], common.params(n, temperature=0.8, top_p=0.95, logprobs=1, **kw), use_tqdm=False)
+        return [
+            (list(c.token_ids), [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)])
+            for c in outs[0].outputs
+        ]
+
+    result["children"] = sampled(n=3, seed=21, extra_args={"vase_seed": 7})
+    result["children_alone"] = [sampled(seed=21 + i, extra_args={"vase_seed": 7 + i})[0] for i in range(3)]
+    result["child1_parent_vase_seed"] = sampled(seed=22, extra_args={"vase_seed": 7})[0]
+    result["children_seeded"] = sampled(n=2, seed=31)  # no vase_seed: the child's own seed, 31 + i
+    result["children_seeded_alone"] = [sampled(seed=31 + i)[0] for i in range(2)]
     common.free(llm)
     # chunked prefill: a long prompt split into chunks, each compressed against what the previous ones kept
     llm = common.make_llm(spec["model"], spec["vase"], enable_chunked_prefill=True, max_num_batched_tokens=32)

@@ -82,9 +82,11 @@ def scheduler(llm):
 
 
 def params(max_tokens: int, **kw):
+    """Greedy unless ``temperature`` is given; end-of-sequence ignored."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    kw.setdefault("temperature", 0)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def tokens_prompt(ids):
