@@ -11,9 +11,6 @@ from __future__ import annotations
 import vase
 
 DEFAULT_DEMANDING = "selector=sample:guard=range"
-# No guard=var in the matrix: every value metric ties on the layer-0 values of repeated tokens, and the cross-engine
-# tests run in float32, where ulps that differ between two engines' kernels break those ties; with var one broke
-# differently on one machine. The metric itself is tested on exact values in tests/core/test_value_aware.py.
 DEMANDING = {
     "streaming_llm": "guard=range:selector=sample",
     "h2o": "value_weight=l1:guard=range",
@@ -21,6 +18,7 @@ DEMANDING = {
     "snapkv": "selector=sample:guard=range:value_weight=output_error",
     "rkv": "value_weight=l1:guard=l2:guard_rule=outlier:outlier_factor=3",
     "random": "guard=range",
+    "keydiff": "selector=sample:guard=var",
     "knorm": "guard=range:selector=sample",
     "curdkv": "guard=range:selector=sample",
     "vase": "preset=paper",  # the published method: a dense prompt, the reference's slot order

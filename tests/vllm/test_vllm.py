@@ -12,11 +12,14 @@ About 6 minutes on this 2-core machine, most of it engine starts and transformer
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -50,6 +53,21 @@ TEXTS = [
 
 
 # ---------------------------------------------------------------------------------------- without vLLM (any env)
+def test_request_fields_are_checked():
+    from vase.vllm.settings import check_fields
+
+    check_fields(None)
+    check_fields({"vase_seed": 7, "other_plugin_key": "x"})
+    for bad, words in [
+        ({"vase_seed": "7"}, "vase_seed must be an integer"),
+        ({"vase_seed": -1}, "vase_seed must be an integer in"),
+        ({"vase_seed": True}, "vase_seed must be an integer"),
+        ({"vase_sed": 7}, "unknown vase field(s) vase_sed"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            check_fields(bad)
+
+
 def test_eviction_seed_of_requests_and_parallel_sampling_children():
     from types import SimpleNamespace as Params
 
@@ -61,6 +79,8 @@ def test_eviction_seed_of_requests_and_parallel_sampling_children():
     assert eviction_seed("2_0-1a2b3c4d", Params(extra_args=None, seed=5)) == 5  # vLLM's child seed: parent's + 2
     assert eviction_seed("1_0-1a2b3c4d", Params(extra_args={}, seed=None)) == 1
     assert eviction_seed("0-1a2b3c4d", Params(extra_args=None, seed=None)) == 0
+    # an engine started without vase's request check: a bad field is ignored (logged), never an engine error
+    assert eviction_seed("0-1a2b3c4d", Params(extra_args={"vase_seed": "x"}, seed=4)) == 4
 
 
 def test_spec_string_and_dict_resolve_alike():
@@ -105,6 +125,7 @@ def test_engine_args_and_policy_rules():
         "vase": {"policy": "snapkv", "selector": "sample", "budget": 128, "buffer": 32, "admission": "reserve"}
     }
     assert kw["scheduler_cls"] == "vase.vllm.scheduler.VaseScheduler" and kw["enable_prefix_caching"] is False
+    assert kw["logits_processors"] == ["vase.vllm.requests:VaseRequestFields"]  # checks each request's fields
     with pytest.raises(vase.vllm.VaseConfigError, match="buffer must be >= 1"):
         vase.vllm.engine_args("vase", budget=128, buffer=0)
     for spec, words in [
@@ -125,6 +146,7 @@ def test_serve_argv_fills_in_the_engine_flags():
     assert json.loads(argv[argv.index("--additional-config") + 1]) == {"x": 1, "vase": "snapkv:budget=256"}
     assert "--no-enable-prefix-caching" in argv and argv[argv.index("--block-size") + 1] == "32"
     assert argv[argv.index("--worker-cls") + 1] == "vase.vllm.worker.VaseCPUWorker"
+    assert argv[argv.index("--logits-processors") + 1] == "vase.vllm.requests:VaseRequestFields"
     with pytest.raises(VaseConfigError, match="--vase SPEC is required"):
         server_argv(["/m"])
     with pytest.raises(VaseConfigError, match="unknown policy"):
@@ -331,6 +353,21 @@ def test_tokens_equal_vase_on_transformers(runs, hf_refs, policy):
 
 
 @needs_vllm
+def test_engine_stats_count_prefill_compressions_and_blocks_saved(runs, prompts):
+    """The counters /metrics shows, offline: one prompt of three is longer than the cap (compressed at prefill by
+    the policies that compress prompts); the running requests held fewer blocks than their tokens fill."""
+    res = _result(runs, "exact")
+    for name in MATRIX:
+        sched, worker = res[name]["stats"]["scheduler"], res[name]["stats"]["worker"]
+        assert worker["compressed_at_prefill"] == (1 if compresses_prompt(name) else 0), name
+        assert sched["peak_kv_blocks_held"] < sched["peak_kv_blocks_without_eviction"], (name, sched)
+        if compresses_prompt(name):
+            assert sched["peak_kv_blocks_held"] <= len(prompts) * CAP_BLOCKS, (name, sched)
+    longest = max(math.ceil((len(p) + NEW) / 32) for p in prompts)
+    assert res["vase"]["stats"]["scheduler"]["peak_kv_blocks_without_eviction"] >= longest
+
+
+@needs_vllm
 def test_blocks_held_never_exceed_the_cap(runs, prompts):
     res = _result(runs, "exact")
     for name in [p for p in MATRIX if compresses_prompt(p)]:
@@ -438,6 +475,18 @@ def test_one_environment_holds_both_integrations():
     assert version.startswith("5.19") and keyword == "past_key_values" and name == "EvictingCache"
 
 
+def _prometheus_values(text: str) -> dict[str, float]:
+    """``{name: value}`` of the unlabelled samples (or the sum over labels) in a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -447,7 +496,9 @@ def _free_port() -> int:
 @needs_vllm
 def test_server_answers_with_eviction(runs, model_dir, prompts, tmp_path):
     """``python -m vase.vllm.serve`` (vLLM's OpenAI server, engine and worker in their own processes) answers a
-    completion with the same tokens as the offline engine with eviction, not plain vLLM's."""
+    completion with the same tokens as the offline engine with eviction, not plain vLLM's; a request with a bad vase
+    field is refused alone (400); ``/metrics`` then shows vase's counters from the engine core's process beside
+    vLLM's own."""
     offline = _result(runs, "exact")
     k = next(
         i for i, (a, b) in enumerate(zip(offline["streaming_llm"]["outputs"], offline["plain"]["outputs"])) if a != b
@@ -513,6 +564,25 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, tmp_path):
         assert ids == offline["streaming_llm"]["outputs"][k]
         assert ids != offline["plain"]["outputs"][k]
         assert "vase: streaming_llm (budget 48" in log.read_text()
+        # a request with a bad vase field fails alone (HTTP 400 naming the field); the engine serves the next one
+        bad = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps({**body, "vllm_xargs": {"vase_seed": "seven"}}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=120)
+        assert refused.value.code == 400 and "vase_seed must be an integer" in refused.value.read().decode()
+        again = json.load(urllib.request.urlopen(req, timeout=600))
+        assert again["choices"][0]["token_ids"] == ids
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        metrics = _prometheus_values(scraped)
+        # two answered requests of NEW tokens, each evicting every BUFFER tokens once past budget + buffer
+        assert metrics["vase:evictions_total"] >= 2, scraped[-2000:]
+        compressed = 2 if len(prompts[k]) > BUDGET + BUFFER else 0
+        assert metrics["vase:requests_compressed_at_prefill_total"] == compressed
+        assert "vase:kv_blocks_held" in metrics and "vase:kv_blocks_without_eviction" in metrics
+        assert metrics["vllm:generation_tokens_total"] == 2 * NEW  # vLLM's own metrics are still there
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -15,15 +15,16 @@ server). The parts, one module each: :mod:`~vase.vllm.settings` (configuration a
 :mod:`~vase.vllm.scheduler` (blocks capped per request), :mod:`~vase.vllm.spec` (memory check by the cap),
 :mod:`~vase.vllm.worker` and :mod:`~vase.vllm.state` (per-request state, the plan of each step),
 :mod:`~vase.vllm.backend`, :mod:`~vase.vllm.compact` and :mod:`~vase.vllm.paged` (attention at physical lengths,
-eviction through :func:`vase.core.evict.evict_layer`), :mod:`~vase.vllm.serve` (the server wrapper). See
-docs/SERVING.md.
+eviction through :func:`vase.core.evict.evict_layer`), :mod:`~vase.vllm.requests` (each request's vase fields checked
+at admission), :mod:`~vase.vllm.metrics` (counters on ``/metrics``), :mod:`~vase.vllm.serve` (the server wrapper).
+See docs/SERVING.md.
 
 Importing this package does not import vLLM (the entry point runs in processes that may not need it).
 """
 
 from __future__ import annotations
 
-from .settings import SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
+from .settings import REQUEST_FIELDS, SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
 
 _registered = False
 
@@ -68,9 +69,11 @@ def engine_args(
 
     Returns:
         ``{"additional_config": {"vase": {...}}, "scheduler_cls": ..., "worker_cls": ..., "enable_prefix_caching":
-        False, "block_size": block_size}``. Chunked prefill stays vLLM's choice: a prompt split into chunks is
-        compressed per chunk (pass ``enable_chunked_prefill=False`` and ``max_num_batched_tokens >= max_model_len``
-        for the whole prompt attended at once, exactly as vase on transformers).
+        False, "block_size": block_size, "logits_processors": [...]}`` (the last checks each request's vase fields
+        at admission, :mod:`vase.vllm.requests`: a bad ``vase_seed`` fails that request alone). Chunked prefill
+        stays vLLM's choice: a prompt split into chunks is compressed per chunk (pass ``enable_chunked_prefill=False``
+        and ``max_num_batched_tokens >= max_model_len`` for the whole prompt attended at once, exactly as vase on
+        transformers).
 
     Raises:
         VaseConfigError: the configuration is refused (checked here, before any engine starts; the engine rules are
@@ -90,6 +93,7 @@ def engine_args(
         "worker_cls": WORKER_CLS,
         "enable_prefix_caching": False,
         "block_size": block_size,
+        "logits_processors": [REQUEST_FIELDS],
     }
 
 

