@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.policies import compresses_prompt, variants
+from tests.policies import compresses_prompt, evicting_names, variants
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -281,8 +281,9 @@ def _greedy_hf(model, prompt: list[int], n: int, **cache_kw) -> tuple[list[int],
 
 
 def assert_same_tokens(got: list[list[int]], ref: list[tuple[list[int], list[int]]], policy: str) -> None:
-    """vLLM's tokens against vase on transformers, row by row: equal, except that one row of the batch may part
-    after it has come through :data:`EQUAL_EVICTIONS` evictions with the same tokens.
+    """vLLM's tokens against vase on transformers, row by row: equal for every policy with its defaults; with a
+    demanding option set (tests/policies.py), one row of the batch may part after it has come through
+    :data:`EQUAL_EVICTIONS` evictions with the same tokens.
 
     Why one row may part: the two engines compute attention with different kernels, so every score differs between
     them by float32 rounding, and entries that are equal in exact arithmetic (the layer-0 values of a repeated token,
@@ -298,7 +299,8 @@ def assert_same_tokens(got: list[list[int]], ref: list[tuple[list[int], list[int
         first = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
         through = sum(1 for t in evicted_at if t < first)
         parted.append((row, first, through))
-    assert len(parted) <= 1 and all(through >= EQUAL_EVICTIONS for _, _, through in parted), (
+    allowed = 0 if policy in evicting_names() else 1
+    assert len(parted) <= allowed and all(through >= EQUAL_EVICTIONS for _, _, through in parted), (
         f"{policy}: rows that differ from vase on transformers (row, first differing token, evictions before it): "
         f"{parted}"
     )
