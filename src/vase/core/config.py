@@ -366,6 +366,11 @@ class VaseConfig:
         return self.policy.options.get("protect_precision", "none")
 
     @property
+    def kv_attention(self) -> str:
+        """How decoding attends over quantized entries (policy option ``kv_attention``): 'codes' or 'dequantize'."""
+        return self.policy.options.get("kv_attention", "codes")
+
+    @property
     def token_cost(self) -> float:
         """Bytes of a kept token over those of a token in the model's dtype (:func:`vase.core.quant.token_cost`; 1
         without ``kv_bits``).

@@ -68,13 +68,14 @@ COMMON_OPTIONS = {
     "budget_cap": BUDGET_CAP,
     "head_floor": FLOOR_SHARE,
     "pyramid_beta": PYRAMID_BETA,
-    **{"kv_bits": None, "kv_group": quant.DEFAULT_GROUP, "protect_precision": "none"},
+    **{"kv_bits": None, "kv_group": quant.DEFAULT_GROUP, "protect_precision": "none", "kv_attention": "codes"},
 }
 # the options of the full cache with quantized storage (policy ``full``: quantization alone, no eviction)
 QUANT_OPTIONS = {
     "kv_bits": None,
     "kv_group": quant.DEFAULT_GROUP,
     "protect_precision": "none",
+    "kv_attention": "codes",
     "guard": None,
     "protect_share": 0.25,
     "guard_rule": "share",
@@ -281,7 +282,9 @@ def compose(
 
     check_budget_options(opts, options)
 
-    quant.check_options(opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard_of(opts))
+    quant.check_options(
+        opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard_of(opts), opts["kv_attention"]
+    )
     scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
     selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
     guard = (
@@ -327,7 +330,7 @@ def _quant_guard(opts: dict, given: dict) -> ValueGuard | None:
         raise ValueError(f"unknown value-guard metric {opts['guard']!r}; choose one of {', '.join(GUARD_METRICS)}")
     check_guard_rule(opts["guard_rule"], opts["outlier_factor"], opts["guard"])
     guard = guard_of(opts)
-    quant.check_options(opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard)
+    quant.check_options(opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard, opts["kv_attention"])
     extra = sorted(k for k in ("guard", "protect_share", "guard_rule", "outlier_factor") if k in given)
     if extra and opts["protect_precision"] != "guard":
         raise ValueError(

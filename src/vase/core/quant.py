@@ -37,24 +37,34 @@ KV_BITS = (8, 4, 2)
 DEFAULT_GROUP = 32
 """Channels per quantization group (KIVI, arXiv 2402.02750, Sec. 4: G = 32)."""
 PROTECT_PRECISION = ("none", "guard")
+KV_ATTENTION = ("codes", "dequantize")
+"""How decoding attends over quantized entries (policy option ``kv_attention``): ``codes`` reads the codes directly
+(:mod:`vase.core.codes`), ``dequantize`` dequantizes each layer into a workspace first."""
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2  # one float16 scale and one float16 minimum per group
 FACTOR_BYTES = 4  # the key channel factors: float32, one per channel and (row, layer, KV head)
 _FP16_MAX = 65504.0
 
 
-def check_options(kv_bits, group, protect_precision, guard) -> None:
-    """The quantization options of a policy (``kv_bits``, ``kv_group``, ``protect_precision``), as clear errors.
+def check_options(kv_bits, group, protect_precision, guard, attention: str = "codes") -> None:
+    """The quantization options of a policy (``kv_bits``, ``kv_group``, ``protect_precision``, ``kv_attention``), as
+    clear errors.
 
     Args:
         kv_bits: None, 8, 4 or 2; group: channels per group; protect_precision: 'none' or 'guard';
-        guard: the policy's :class:`vase.core.selection.ValueGuard`, or None.
+        guard: the policy's :class:`vase.core.selection.ValueGuard`, or None; attention: one of :data:`KV_ATTENTION`.
 
     Raises:
         ValueError: ``kv_bits`` not one of None, 8, 4, 2; a group that is not a positive power of two;
             ``protect_precision`` not 'none' or 'guard'; 'guard' without kv_bits, without a value guard, with the
-            ``random`` guard (it has no magnitudes to rank) or with ``guard_mode='evict'``.
+            ``random`` guard (it has no magnitudes to rank) or with ``guard_mode='evict'``; ``kv_attention`` not
+            'codes' or 'dequantize'.
     """
+    if attention not in KV_ATTENTION:
+        raise ValueError(
+            f"kv_attention must be one of {', '.join(KV_ATTENTION)} (codes: decoding reads the quantized codes; "
+            f"dequantize: each layer is dequantized into a workspace first), got {attention!r}"
+        )
     if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
         raise ValueError(
             f"kv_bits must be one of none, {', '.join(map(str, KV_BITS))} (bits per stored key/value element), got "

@@ -7,9 +7,11 @@ model code is copied and no forward is patched.
 
 When the keys handed to the wrapper come from an :class:`~vase.hf.layer.EvictingLayer` write (checked by identity), the
 wrapper (1) saves the queries in that layer's ring, (2) passes a mask over the physical slots instead of the logical
-one, (3) calls the base function, (4) lets the layer write staged tokens and evict. With any other cache (or none) it
-calls the base function unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``. The kept
-layers of a hybrid model (sliding window; see :mod:`vase.hf.hybrid`) are marked by the cache's ``update`` as passed
+one, (3) calls the base function, (4) lets the layer write staged tokens and evict. A decode step of a layer stored
+with ``kv_bits`` reads the quantized codes instead of calling the base function (``EvictingLayer.attend_codes``).
+With any other cache (or none) it calls the base function
+unchanged, so one model can serve a ``DynamicCache`` and an ``EvictingCache``. The kept layers of a hybrid model
+(sliding window; see :mod:`vase.hf.hybrid`) are marked by the cache's ``update`` as passed
 through: the wrapper calls the base function with transformers' own mask and every keyword the model gives (gpt-oss's
 ``s_aux`` sinks, Gemma's ``scaling`` and ``softcap``, ``sliding_window``).
 
@@ -132,6 +134,12 @@ def _make_wrapper(base: str):
                 )
             return fn(module, query, key, value, attention_mask, **kwargs)
         layer.record_queries(query, kwargs.get("scaling"))
+        if layer.codes:  # a decode step over quantized entries: read the codes, no workspace
+            out = layer.attend_codes(query, kwargs)
+            if out is not None:
+                layer.after_attention()
+                return out
+            key, value = layer.attention_inputs()
         mask = layer.attention_mask(kind, query.dtype, query)
         out = fn(module, query, key, value, mask, **kwargs)
         layer.after_attention()

@@ -98,6 +98,8 @@ class EvictingLayer(CacheLayerMixin):
         self.last_eviction: dict | None = None
         self.pages = None  # page metadata of a selection policy (quest: vase.core.pages.PageTable)
         self._q_heads = 0
+        self.codes = False  # this step's attention reads the quantized codes (see write)
+        self._new = None
 
     # ------------------------------------------------------------------------------------------------ views
     @property
@@ -187,8 +189,16 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states, step.capacity)
         elif self.capacity < step.capacity and not self.seq.policy.evicts:
             self.grow(step.capacity, step)
-        self.storage.before(step)
         sparse = self.seq.policy.sparse
+        self.codes = self.storage.quantized and self.storage.codes_step(step, sparse is not None)
+        if self.codes:  # attention reads the quantized store itself (vase.core.codes): no workspace to fill
+            self.storage.append_codes(step, key_states, value_states)
+            self._put_positions(step)
+            self._step = step
+            self._new = (key_states, value_states)
+            attn.hand_off(self, key_states)
+            return key_states, value_states
+        self.storage.before(step)
         if sparse is not None:
             sparse.write(self, step, key_states)
         if step.append:
@@ -229,6 +239,24 @@ class EvictingLayer(CacheLayerMixin):
             ring.allocate(self.index, query.shape[1], query.shape[-1], query.dtype, query.device)
         ring.write(self.index, step.ring, step.ring_values(query))
 
+    def attend_codes(self, query: torch.Tensor, kwargs: dict):
+        """The step's attention over the quantized store (:meth:`vase.hf.quantized.QuantizedStorage.attend`), as
+        ``(output [B, 1, q_heads, D], None)``; None when the call needs what that path does not do (a logit soft cap,
+        dropout): the layer then falls back to the workspace, and :meth:`attention_inputs` gives what to read."""
+        if kwargs.get("softcap") is not None or kwargs.get("dropout", 0.0):
+            k, v = self._new
+            self._fallback = self.storage.leave_codes(self._step, k, v)
+            self.codes = False
+            return None
+        sinks = kwargs.get("s_aux")
+        out = self.storage.attend(self._step, query, self.positions, self.scaling, sinks)
+        return out, None
+
+    def attention_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """After :meth:`attend_codes` declined: the workspace's keys and values, the new token appended."""
+        out, self._fallback = self._fallback, None
+        return out
+
     def attention_mask(self, kind: str, dtype: torch.dtype, query: torch.Tensor | None = None) -> torch.Tensor | None:
         """The mask over physical slots for this step (see :meth:`ForwardStep.mask`); a selection policy (quest)
         narrows it per query head from the step's post-RoPE ``query`` ``[B, q_heads, q, head_dim]`` (see
@@ -261,6 +289,7 @@ class EvictingLayer(CacheLayerMixin):
     def after_attention(self) -> None:
         """Write staged tokens and compact the rows that reached their limit; then mark this layer done."""
         step, self._step = self._step, None
+        self.codes, self._new = False, None
         with self.counters.timed(bool(step.evict_rows), self.keys.device):
             if step.append:
                 if step.evict_rows:
@@ -431,6 +460,7 @@ class EvictingLayer(CacheLayerMixin):
         self.storage.reset()
         self._step = None
         self._staged = None
+        self.codes, self._new = False, None
         self.last_eviction = None
         self.pages = None
         self.is_initialized = False

@@ -18,9 +18,15 @@ time ``buffer`` new tokens have arrived since its last quantization (before its 
 at later compactions its codes and scales move with it unchanged (no re-quantization, so no error accumulates). An
 entry the guard keeps in full precision after it was quantized keeps its dequantized value.
 
-**Attention reads a workspace.** sdpa and eager attention take keys and values in the model's dtype, so before each
-layer's forward the storage dequantizes its entries into a :class:`Workspace` ``[B, H, capacity, D]`` shared by all
-the layers of the cache (layers run one after another): the in-place write of a new token, the compaction and the
+**A decode step reads the codes** (``kv_attention='codes'``, the default): when no row evicts or quantizes in the
+step, the new token goes straight to the full-precision store and attention is computed from the codes, steps,
+minima and channel factors (:func:`vase.core.codes.decode_attention`: a C++ kernel on CPU, Triton on CUDA), with no
+dequantized copy (:meth:`QuantizedStorage.codes_step`, :meth:`QuantizedStorage.attend`). Selection policies (quest)
+and attention with a logit soft cap take the workspace path below.
+
+**Otherwise attention reads a workspace.** sdpa and eager attention take keys and values in the model's dtype, so
+before each such forward the storage dequantizes its entries into a :class:`Workspace` ``[B, H, capacity, D]`` shared
+by all the layers of the cache (layers run one after another): the in-place write of a new token, the compaction and the
 staged writes run on it as on dense buffers (:class:`vase.hf.storage.DenseStorage` over the workspace); afterwards
 the storage stores back what changed (:meth:`QuantizedStorage.after`). The workspace is one layer's worth of
 full-precision entries (``CacheStats.bytes_workspace``), and dequantizing every step costs time
@@ -34,6 +40,7 @@ import time
 import torch
 from torch.profiler import record_function
 
+from ..core import codes as codes_attention
 from ..core import quant
 from ..core.config import VaseConfig
 from ..core.schedule import Schedule
@@ -53,6 +60,7 @@ class Workspace:
         self.tensors: tuple[torch.Tensor, torch.Tensor] | None = None
         self.dequant_seconds = 0.0
         self.quant_seconds = 0.0
+        self.codes_seconds = 0.0  # attention over the codes (decode steps that read no workspace)
 
     def get(self, shape: tuple, v_dim: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self.tensors
@@ -95,6 +103,7 @@ class QuantizedStorage:
         self.config, self.budget, self.schedule, self.workspace = config, budget, schedule, workspace
         self.work = DenseStorage()  # the dense operations, over the workspace
         self._moved = None
+        self._codes = False  # this step's new token went to the full-precision store directly (codes path)
         self._factor_set: list[bool] = []
         self._capacity = 0
         for name in (*_STORES, "qmask", "protected"):
@@ -218,6 +227,71 @@ class QuantizedStorage:
     def put_span(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.work.put_span(start, k, v)
 
+    # -------------------------------------------------------------------------------------- attention over codes
+    def codes_step(self, step: ForwardStep, sparse: bool) -> bool:
+        """Whether this step's attention reads the codes (:mod:`vase.core.codes`): ``kv_attention='codes'``, one new
+        token per row, no row evicting or quantizing its recent tokens, no selection policy (``sparse``)."""
+        return (
+            self.config.kv_attention == "codes"
+            and step.append
+            and not sparse
+            and not step.evict_rows
+            and not step.flush_rows
+            and self.kq is not None
+            and self.kq.device.type in ("cpu", "cuda")
+        )
+
+    def append_codes(self, step: ForwardStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The decode token ``[B, H, 1, D]`` of each row into its recent slot of the full-precision store (slot ``P +
+        fill - qlimit``), where :meth:`attend` reads it and where :meth:`after` would have stored it."""
+        p = self.protected.shape[2]
+        qlimit = self._qlimit()
+        offs = [p + f - q for f, q in zip(step.fill_before, qlimit)]
+        if len(set(offs)) == 1:
+            o = offs[0]
+            self.fp_k[:, :, o : o + 1].copy_(k)
+            self.fp_v[:, :, o : o + 1].copy_(v)
+        else:
+            b, h = k.shape[:2]
+            slot = step.tensor(("fp_slot", p), offs).view(b, 1, 1, 1)
+            self.fp_k.scatter_(2, slot.expand(b, h, 1, k.shape[-1]), k)
+            self.fp_v.scatter_(2, slot.expand(b, h, 1, v.shape[-1]), v)
+        self._codes = True
+
+    def attend(self, step: ForwardStep, query: torch.Tensor, positions: torch.Tensor, scaling: float, sinks=None):
+        """Attention of the step's token ``query`` ``[B, q_heads, 1, D]`` over this layer's codes and full-precision
+        store (:func:`vase.core.codes.decode_attention`); returns ``[B, 1, q_heads, D]`` as transformers' attention
+        functions do."""
+        qlimit = self._qlimit()
+        ql = step.tensor("qlimit_now", qlimit)
+        recent = step.tensor("recent_now", [f + 1 - q for f, q in zip(step.fill_before, qlimit)])
+        t0 = time.perf_counter()
+        with record_function("vase.codes_attention"):
+            out = codes_attention.decode_attention(
+                query[:, :, 0],
+                self.kf,
+                scaling,
+                (self.kq, self.ks, self.kz, self.vq, self.vs, self.vz),
+                self.qmask,
+                positions,
+                self.fp_k,
+                self.fp_v,
+                self.protected,
+                ql,
+                recent,
+                self.config.kv_bits,
+                sinks,
+            )
+        self.workspace.codes_seconds += time.perf_counter() - t0
+        return out.unsqueeze(1)
+
+    def leave_codes(self, step: ForwardStep, k: torch.Tensor, v: torch.Tensor):
+        """Back to the workspace path within a codes step (the attention call needs what the kernel does not do, e.g.
+        a logit soft cap): dequantize, append the new token there; returns what attention reads."""
+        self._codes = False
+        self.before(step)
+        return self.work.append(step, k, v)
+
     # ------------------------------------------------------------------------------------------ dequantization
     def before(self, step: ForwardStep) -> None:
         """Dequantize this layer's entries into the workspace (slots ``[0, fill)`` of each row)."""
@@ -284,6 +358,9 @@ class QuantizedStorage:
         rows that evicted, quantized their recent tokens or took several tokens, their whole layout again."""
         moved, self._moved = self._moved, None
         b = self.batch
+        if self._codes:  # the new tokens are in the full-precision store already, nothing else changed
+            self._codes = False
+            return
         if step.append:
             whole = set(step.evict_rows) | set(step.flush_rows)
             others = [i for i in range(b) if i not in whole]
@@ -390,6 +467,7 @@ class QuantizedStorage:
         for name in (*_STORES, "qmask", "protected"):
             setattr(self, name, None)
         self.work.reset()
+        self._codes = False
         self._factor_set = []
         self._moved = None
         self._capacity = 0

@@ -1,0 +1,186 @@
+"""Decode attention over quantized codes as a Triton kernel (CUDA): the GPU twin of ``codes_attention.cpp``.
+
+One program per (row, KV head), every query head of its GQA group together; the quantized slots are read in blocks of
+``BLOCK_T`` entries, their codes unpacked and scaled in registers (no dequantized copy in memory), then the
+full-precision store, all in one online softmax (flash-decoding). Same arguments and validity rules as
+:func:`vase.core.codes.decode_attention`. Tested on CPU through Triton's interpreter (``TRITON_INTERPRET=1``) against
+the torch implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NEG = -1.0e30
+
+
+@triton.jit
+def _codes_attention_kernel(
+    q_ptr,
+    kf_ptr,
+    kq_ptr,
+    ks_ptr,
+    kz_ptr,
+    vq_ptr,
+    vs_ptr,
+    vz_ptr,
+    qmask_ptr,
+    pos_ptr,
+    fk_ptr,
+    fv_ptr,
+    prot_ptr,
+    qlimit_ptr,
+    recent_ptr,
+    sinks_ptr,
+    out_ptr,
+    scaling,
+    L,
+    CAP,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    NG: tl.constexpr,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    F: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    j = tl.arange(0, GP)
+    jok = j < G
+    c = tl.arange(0, D)
+    cv = tl.arange(0, DV)
+    q = tl.load(q_ptr + (b * H * G + h * G + j)[:, None] * D + c[None, :], mask=jok[:, None], other=0.0)
+    q_fp = q.to(tl.float32) * scaling  # the full-precision keys are the keys themselves
+    q_k = q_fp * tl.load(kf_ptr + bh * D + c)[None, :]  # the quantized ones were divided by the channel factors
+    k_byte = c // PER
+    k_shift = (c % PER) * BITS
+    k_group = c // (D // NG)
+    v_byte = cv // PER
+    v_shift = (cv % PER) * BITS
+    v_group = cv // (DV // NG)
+    m = tl.full((GP,), _NEG, tl.float32)
+    den = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, DV), tl.float32)
+    for t0 in range(0, L, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        inside = t < L
+        slot = bh * L + t
+        ok = inside & (tl.load(qmask_ptr + slot, mask=inside, other=0) != 0)
+        ok = ok & (tl.load(pos_ptr + bh * CAP + t, mask=inside, other=-1) >= 0)
+        kb = tl.load(kq_ptr + slot[:, None] * (D // PER) + k_byte[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        kst = tl.load(ks_ptr + slot[:, None] * NG + k_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        kmn = tl.load(kz_ptr + slot[:, None] * NG + k_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        keys = kmn + kst * ((kb >> k_shift[None, :]) & MASK).to(tl.float32)  # [BLOCK_T, D], in registers
+        s = tl.sum(q_k[:, None, :] * keys[None, :, :], axis=2)  # [GP, BLOCK_T]
+        s = tl.where(ok[None, :], s, _NEG)
+        new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - new)
+        p = tl.where(ok[None, :], tl.exp(s - new[:, None]), 0.0)
+        vb = tl.load(vq_ptr + slot[:, None] * (DV // PER) + v_byte[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        vst = tl.load(vs_ptr + slot[:, None] * NG + v_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        vmn = tl.load(vz_ptr + slot[:, None] * NG + v_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        values = vmn + vst * ((vb >> v_shift[None, :]) & MASK).to(tl.float32)  # [BLOCK_T, DV]
+        den = den * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        m = new
+    qlimit = tl.load(qlimit_ptr + b)
+    recent = tl.load(recent_ptr + b)
+    for f0 in range(0, F, BLOCK_T):
+        f = f0 + tl.arange(0, BLOCK_T)
+        inside = f < F
+        guard = f < P
+        slot = tl.load(prot_ptr + bh * P + f, mask=inside & guard, other=0)
+        held = tl.load(pos_ptr + bh * CAP + tl.minimum(slot, CAP - 1), mask=inside & guard, other=-1) >= 0
+        ok = inside & tl.where(guard, (slot < qlimit) & held, (f - P) < recent)
+        row = bh * F + f
+        keys = tl.load(fk_ptr + row[:, None] * D + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q_fp[:, None, :] * keys[None, :, :], axis=2)
+        s = tl.where(ok[None, :], s, _NEG)
+        new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - new)
+        p = tl.where(ok[None, :], tl.exp(s - new[:, None]), 0.0)
+        values = tl.load(fv_ptr + row[:, None] * DV + cv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        den = den * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        m = new
+    if HAS_SINKS:
+        den = den + tl.exp(tl.load(sinks_ptr + h * G + j, mask=jok, other=_NEG) - m)
+    out = acc / tl.maximum(den, 1e-30)[:, None]
+    tl.store(out_ptr + (b * H * G + h * G + j)[:, None] * DV + cv[None, :], out, mask=jok[:, None])
+
+
+def decode_attention_triton(
+    query,
+    factors,
+    scaling,
+    codes,
+    qmask,
+    positions,
+    fp_k,
+    fp_v,
+    protected,
+    qlimit,
+    recent,
+    bits,
+    sinks=None,
+    block: int = 32,
+) -> torch.Tensor:
+    """:func:`vase.core.codes.decode_attention` as one Triton launch per layer (see the module docstring).
+
+    Raises:
+        ValueError: a head dim that is not a power of two (Triton's block shapes).
+    """
+    kq, ks, kz, vq, vs, vz = codes
+    b, hq, d = query.shape
+    h, lim = kq.shape[1], kq.shape[2]
+    g, dv = hq // h, fp_v.shape[-1]
+    for name, n in (("head dim", d), ("value head dim", dv)):
+        if n & (n - 1):
+            raise ValueError(f"the triton backend needs a power-of-two {name}, got {n}: use backend='torch'")
+    out = torch.empty((b, hq, dv), dtype=torch.float32, device=query.device)
+    has_sinks = sinks is not None
+    sinks_t = sinks.detach().float().contiguous() if has_sinks else out  # any pointer when unused
+    _codes_attention_kernel[(b * h,)](
+        query.contiguous(),
+        factors.float().contiguous(),
+        kq.contiguous(),
+        ks.contiguous(),
+        kz.contiguous(),
+        vq.contiguous(),
+        vs.contiguous(),
+        vz.contiguous(),
+        qmask.contiguous(),
+        positions.contiguous(),
+        fp_k.contiguous(),
+        fp_v.contiguous(),
+        protected.contiguous(),
+        qlimit.contiguous(),
+        recent.contiguous(),
+        sinks_t,
+        out,
+        float(scaling),
+        lim,
+        positions.shape[2],
+        H=h,
+        G=g,
+        GP=triton.next_power_of_2(g),
+        D=d,
+        DV=dv,
+        NG=ks.shape[-1],
+        BITS=int(bits),
+        P=protected.shape[2],
+        F=fp_k.shape[2],
+        BLOCK_T=block,
+        HAS_SINKS=has_sinks,
+    )
+    return out.to(query.dtype)
