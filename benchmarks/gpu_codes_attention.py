@@ -9,6 +9,8 @@ Per configuration, in one process and side by side, the time of one decode step'
 
     python benchmarks/gpu_codes_attention.py              # on the GPU; writes $OUT/gpu_codes.json or runs/
     python benchmarks/gpu_codes_attention.py --tiny --device cpu   # the code path at toy size (tests)
+    python benchmarks/gpu_codes_attention.py --device cpu --shape smollm2 --slots 1024 --batch 1  # the CPU kernel,
+        # float32, at the embedded model's attention shape (3 KV heads of dim 64, 3 query heads each)
 """
 
 from __future__ import annotations
@@ -104,14 +106,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (CPU test of the code path)")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--shape", choices=("qwen3-4b", "smollm2"), default="qwen3-4b")
+    ap.add_argument("--slots", default="8192,16384,32768", help="comma-separated slots per (row, KV head)")
+    ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: bfloat16 on CUDA")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.tiny:
         shape, grid, reps, dtype = dict(heads=2, group=2, dim=32), [(1, 256), (2, 512)], 3, torch.float32
     else:
-        shape = dict(heads=8, group=4, dim=128)
-        grid = [(b, s) for b in (1, 16) for s in (8192, 16384, 32768)]
-        reps, dtype = 20, torch.bfloat16
+        shape = dict(heads=8, group=4, dim=128) if args.shape == "qwen3-4b" else dict(heads=3, group=3, dim=64)
+        grid = [(int(b), int(s)) for b in args.batch.split(",") for s in args.slots.split(",")]
+        cuda = args.device.startswith("cuda")
+        reps, dtype = 20, getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     rows = []
     for batch, slots in grid:
         row = one(batch, slots, **shape, bits=args.bits, device=args.device, dtype=dtype, reps=reps)

@@ -99,6 +99,8 @@ def _prepare_outside_graph(compiled: CompiledDecode) -> None:
 class _StaticCall:
     """What vase's attention wrapper calls for one layer during a compiled step (the eager one calls the layer)."""
 
+    codes = False  # compiled decoding is refused with kv_bits: attention never reads codes here
+
     def __init__(self, compiled: CompiledDecode, layer: EvictingLayer):
         self.compiled, self.layer = compiled, layer
 
