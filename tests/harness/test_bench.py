@@ -79,10 +79,16 @@ def test_bench_markdown_goals():
     assert "throughput 0.971x streaming_llm's (goal >= 0.95): met" in text
 
 
-def test_gpu_script_at_toy_size_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_qwen3_4b.py")
+def _script(name: str):
+    """A script of benchmarks/ loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "benchmarks" / name)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_script_at_toy_size_on_cpu(tmp_path):
+    mod = _script("gpu_qwen3_4b.py")
     res = mod.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "g.json")])
     saved = json.loads((tmp_path / "g.json").read_text())
     assert saved["shape"] == "tiny" and [r["mode"] for r in saved["runs"]] == ["vase", "full"]
@@ -92,9 +98,7 @@ def test_gpu_script_at_toy_size_on_cpu(tmp_path):
 
 def test_gpu_script_compiled_mode_at_toy_size_on_cpu(tmp_path):
     """``--compile``: four runs (vase and the full cache, compiled and not), ratios to both full-cache runs."""
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_qwen3_4b.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("gpu_qwen3_4b.py")
     torch._dynamo.reset()  # a new model: start from empty dynamo caches (see tests/hf/test_compile.py, fresh_model)
     res = mod.main(
         ["--tiny", "--device", "cpu", "--compile", "--backend", "aot_eager", "--out", str(tmp_path / "g.json")]
@@ -179,9 +183,7 @@ def test_compiled_speed_pairs_compiled_and_uncompiled_runs():
 
 def test_gpu_codes_script_at_toy_size_on_cpu(tmp_path):
     """benchmarks/gpu_codes_attention.py: codes, dequantize and dense timed side by side, the codes' result checked."""
-    spec = importlib.util.spec_from_file_location("gpu_codes", ROOT / "benchmarks" / "gpu_codes_attention.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("gpu_codes_attention.py")
     res = mod.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "c.json")])
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved == res and [(r["batch"], r["slots"]) for r in res["rows"]] == [(1, 256), (2, 512)]
