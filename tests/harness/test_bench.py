@@ -188,3 +188,22 @@ def test_gpu_codes_script_at_toy_size_on_cpu(tmp_path):
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved == res and [(r["batch"], r["slots"]) for r in res["rows"]] == [(1, 256), (2, 512)]
     assert all(r["codes_ms"] > 0 and r["dense_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in res["rows"])
+
+
+def test_decode_step_limit_script_on_the_embedded_model(embedded):
+    """benchmarks/decode_step_limit.py at toy lengths: the bytes a step must read, the KV held, the profile's parts."""
+    mod = _script("decode_step_limit.py")
+    res = mod.main(
+        ["--contexts", "160", "--budget", "64", "--buffer", "16", "--steps", "3", "--profile-steps", "2"]
+        + ["--short", "24", "--bandwidth-gib", "0.0625"],
+        lm=embedded,
+    )
+    params = {p.data_ptr(): p.numel() for p in embedded.model.parameters()}
+    assert res["weight_bytes"] == 4 * sum(params.values()) and 530e6 < res["weight_bytes"] < 545e6
+    assert [(r["cache"], r["context"]) for r in res["rows"]] == [("full", 24), ("full", 72), ("vase", 160)]
+    # the evicting cache holds its static buffers, budget + buffer slots per layer and KV head
+    assert res["rows"][2]["kv_bytes"] == 30 * 2 * 3 * (64 + 16) * 64 * 4
+    assert all(r["step_s"] > 0 and r["limit_s"] > 0 for r in res["rows"]) and res["bandwidth"] > 1e9
+    parts = res["split"]
+    assert parts["weight matmuls"] > 0 and parts["attention"] > 0
+    assert parts["step (unprofiled median)"] == pytest.approx(1e3 * res["rows"][2]["step_s"])
