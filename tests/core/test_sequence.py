@@ -61,6 +61,86 @@ def test_schedule_quantization_limits():
     assert s.room() == [8]
 
 
+def test_schedule_full_precision_window():
+    """kv_window=R: the newest R tokens are never below the quantization limit; a row quantizes buffer tokens each
+    time R + buffer are above it, a compaction quantizes slots - R, a chunk whole buffers leaving at least R."""
+    s = Schedule(budget=16, buffer=8, slots=16, evicts=True, compress_prompt=True, quantize=True, window=4)
+    s.admit(0, 3)
+    s.commit(s.plan([0], [3]))
+    assert s.room() == [9]  # the flush comes at 4 + 8 recent tokens
+    for _ in range(8):
+        step = s.plan([0], [1], append=True)
+        assert step.qlimit == [0] and not step.flush
+        s.commit(step)
+    step = s.plan([0], [1], append=True)
+    assert step.qlimit == [8] and step.flush == [0]  # fill 12: 8 quantized, the newest 4 kept
+    s.commit(step)
+    assert (s.fill, s.qlimit, s.room()) == ([12], [8], [8])
+    for _ in range(7):
+        s.commit(s.plan([0], [1], append=True))
+    assert (s.fill, s.qlimit) == ([19], [8])  # the most quantized before the first eviction: 24 - 8 - 4 = 12
+    step = s.plan([0], [1], append=True)
+    assert step.qlimit == [12] and step.flush == [0]
+    s.commit(step)
+    for _ in range(3):
+        s.commit(s.plan([0], [1], append=True))
+    step = s.plan([0], [1], append=True)  # fill 24: evicts, keeps 16, quantizes 16 - 4
+    assert step.evict == [0] and step.keep == [16] and step.qlimit == [12]
+    s.commit(step)
+    assert s.room() == [8]  # the next eviction (24) comes before the next quantization (12 + 12)
+    chunk = Schedule(budget=64, buffer=8, slots=64, evicts=True, compress_prompt=True, quantize=True, window=4)
+    chunk.admit(0, 30)
+    step = chunk.plan([0], [30])  # a prefill of 30: 24 quantized (whole buffers), 6 >= 4 recent
+    assert step.qlimit == [24] and not step.evict
+    with pytest.raises(ValueError, match="full-precision window"):
+        Schedule(budget=16, buffer=8, slots=16, evicts=True, compress_prompt=True, quantize=True, window=16)
+
+
+def test_rows_with_budgets_of_their_own():
+    """A row admitted with its own budget evicts at its budget + buffer back to its budget, a row admitted without
+    eviction never evicts, the others keep the schedule's; one eviction call takes one budget (budget_groups splits),
+    and the kept entries number the row's budget."""
+    from vase.core.sequence import budget_groups
+
+    s = Schedule(budget=16, buffer=8, slots=16, evicts=True, compress_prompt=True)
+    s.admit(0, 4)
+    s.admit(1, 4, budget=32)
+    s.admit(2, 4, evicts=False)
+    s.commit(s.plan([0, 1, 2], [4, 4, 4]))
+    assert s.limits() == [24, 40, 24] and s.room() == [20, 36, 20]
+    step = s.plan([0, 1, 2], [20, 20, 20])
+    assert step.evict == [0] and step.keep == [16, 24, 24]
+    s.commit(step)
+    step = s.plan([0, 1, 2], [8, 16, 100])
+    assert step.evict == [0, 1] and step.keep == [16, 32, 124]
+    assert budget_groups(step, step.evict, s) == [[0], [1]]
+    s.commit(step)
+    assert s.limits()[:2] == [24, 40] and s.tokens_evicted == 8 + 8 + 8
+    with pytest.raises(ValueError, match="uniform budgets"):
+        Schedule(budget=16, buffer=8, slots=24, evicts=True, compress_prompt=True).admit(0, 4, budget=32)
+
+    config = VaseConfig.resolve("keydiff", budget=16, buffer=8, sinks=2)
+    seq = Sequences(config, [0])
+    seq.admit(0, 40, seed=1)
+    seq.admit(1, 40, seed=2, budget=24)
+    seq.tables.allocate(0, 2, 2, 40, "cpu")
+    step = seq.schedule.plan([0, 1], [40, 40])
+    assert step.evict == [0, 1] and step.keep == [16, 24]
+    keys, values = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    positions = torch.arange(40).view(1, 1, 40).expand(2, 2, 40).clone()
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    state = {n: torch.rand(2, 2, 40) for n in config.policy.state_names}
+    with pytest.raises(ValueError, match="share a budget"):
+        seq.evict(0, step, [0, 1], keys, values, positions, valid, state)
+    for group in budget_groups(step, step.evict, seq.schedule):
+        g = torch.tensor(group)
+        ev = seq.evict(0, step, group, keys[g], values[g], positions[g], valid[g], {n: t[g] for n, t in state.items()})
+        want = seq.schedule.row_budget[group[0]]
+        assert ev.indices.shape[2] == want and ev.keep.tolist() == [want]
+        kept = set(ev.indices[0, 0].tolist())
+        assert {0, 1} | set(range(32, 40)) <= kept and len(kept) == want  # the sinks, the recent window, the budget
+
+
 # --------------------------------------------------------------------------------------------- tables, ring
 def test_tables_write_kept_and_held():
     t = RowTables([0], ("acc",), {"acc_upto": -1})

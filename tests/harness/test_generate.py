@@ -252,7 +252,7 @@ def test_python_api_compile(monkeypatch):
     import torch._dynamo
 
     import vase.harness.generation
-    from vase.core.config import compiled_capacity
+    from vase.core.sizes import compiled_capacity
 
     def quick(device, backend="inductor"):
         return real(device, backend="aot_eager")

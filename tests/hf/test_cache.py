@@ -395,7 +395,7 @@ def test_compression_ratio_helper():
 
 
 def test_ratio_budget_is_shared_by_generate_eval_and_fidelity():
-    from vase.core.config import ratio_budget
+    from vase.core.sizes import ratio_budget
 
     assert ratio_budget(4096, 4.0, 64) == 1024
     assert ratio_budget(1089, 8.0, 64) == 137  # ceil(1089 / 8)

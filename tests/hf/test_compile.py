@@ -294,7 +294,7 @@ def test_many_prompt_lengths_compile_few_graphs(monkeypatch, options):
     uncompiled run's, and the graphs stay within the README's bound, one per power of two of the buffers' slots
     (plus the budget's own shape), instead of one per prompt length (the ninth raised FailOnRecompileLimitHit)."""
     from tests.conftest import TinyTokenizer
-    from vase.core.config import compiled_capacity
+    from vase.core.sizes import compiled_capacity
     from vase.harness import generation
 
     monkeypatch.setattr(generation, "compile_config", _aot_eager_config)

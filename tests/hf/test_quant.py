@@ -275,6 +275,78 @@ def test_guard_entries_bit_exact_and_codes_never_drift():
         hooks.detach()
 
 
+@pytest.mark.parametrize(
+    "spec, window",
+    [("vase:kv_bits=4", 8), ("h2o:kv_bits=2:guard=range:protect_precision=guard", 4), ("full:kv_bits=4", 12)],
+)
+def test_window_keeps_the_newest_tokens_in_full_precision(spec, window):
+    """kv_window=R (KIVI's sliding residual): after every step the newest R tokens a row holds are its full-precision
+    entries bit for bit (never quantized, through compactions and flushes); between R and R + buffer tokens sit above
+    the quantization limit; the stores hold R more full-precision slots and R fewer quantized ones, as bytes_held
+    says."""
+    model = tiny_model("llama")
+    ids = random_ids(150, seed=3)
+    budget, buffer, first = 24, 8, 30
+    ref_k, ref_v = _full_values(model, ids, first)
+    cache = vase.EvictingCache(
+        model, policy=f"{spec}:kv_group={GROUP}:kv_window={window}", budget=budget, buffer=buffer
+    )
+    checked = 0
+    with torch.no_grad():
+        model(input_ids=ids[:, :first], **cache_kwargs(cache))
+        for t in range(first, ids.shape[1]):
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache))
+            fill, q = cache.fill[0], cache.seq.schedule.qlimit[0]
+            assert window <= fill - q < window + buffer, (t, fill, q)
+            layer = cache.layers[0]
+            keys, values = layer.entries()
+            for h in range(2):
+                for s in range(fill - window, fill):
+                    p = int(layer.positions[0, h, s])
+                    assert p > t - window - buffer  # the newest tokens are held (the recent window keeps them)
+                    assert not bool(layer.storage.qmask[0, h, s]) if s < layer.storage.qmask.shape[2] else True
+                    assert torch.equal(keys[0, h, s], ref_k[h, p]) and torch.equal(values[0, h, s], ref_v[h, p])
+                    checked += 1
+    assert checked >= 2 * window * 100 and max(cache.seq.schedule.qlimit) > 0
+    assert (cache.stats().evictions > 5) == cache.policy.evicts
+    storage = cache.layers[0].storage
+    p = storage.protected.shape[2]
+    lim = (budget if cache.policy.evicts else cache.capacity) - window
+    assert storage.qmask.shape[2] == lim and storage.fp_k.shape[2] == p + window + buffer
+    if cache.policy.evicts:
+        b, h, d, e = 1, 2, 16, 4
+        bits = cache.kv_bits
+        per_layer = (
+            b * h * (lim * (2 * d * bits // 8 + 2 * 2 * 2 * d // GROUP) + 4 * d + 2 * (p + window + buffer) * d * e)
+        )
+        assert cache.stats().bytes_held == len(cache.layers) * per_layer
+        assert f"newest {window} in full precision" in cache.stats().line()
+
+
+def test_window_sizes_in_bytes():
+    """A byte ratio with a window: the budget whose kept bytes (budget at the quantized cost, the window's R tokens
+    at full precision) are 1/r of the full cache's; a memory budget likewise; a window as large as the budget is
+    refused."""
+    n = 1088
+    cost4 = (4 / 8 + 4 / 32) / 4
+    cfg = VaseConfig.resolve("vase:kv_bits=4:kv_window=32", byte_ratio=8, element_bytes=4)
+    budget = cfg.for_length(n).budget
+    assert budget == math.ceil((n / 8 - 32 * (1 - cost4)) / cost4) == 698
+    assert cfg.kept_bytes(budget) == pytest.approx(n / 8, abs=cost4)
+    assert cfg.for_length(n).kept_bytes(budget) == budget * cost4 + 32 * (1 - cost4)
+    assert VaseConfig.resolve("vase:kv_bits=4", byte_ratio=8, element_bytes=4).kept_bytes(871) == 871 * cost4
+    mem = VaseConfig.resolve("h2o:kv_bits=8:kv_window=16", memory_budget=200, element_bytes=2)
+    cost8 = (1 + 4 / 32) / 2
+    assert mem.budget == math.floor((200 - 16 * (1 - cost8)) / cost8) == 343
+    assert "newest 32 in full precision" in cfg.policy.describe()
+    with pytest.raises(ValueError, match="kv_window 64 must be below the budget 64"):
+        VaseConfig.resolve("vase:kv_bits=4:kv_window=64", budget=64, buffer=8)
+    with pytest.raises(ValueError, match="kv_window applies to quantized entries only"):
+        VaseConfig.resolve("vase:kv_window=8", budget=256)
+    with pytest.raises(ValueError, match="kv_window must be a number of tokens >= 0"):
+        VaseConfig.resolve("vase:kv_bits=4:kv_window=-1", budget=256)
+
+
 def _quant_snapshot(cache) -> list[dict]:
     rows = []
     for r in range(cache.batch):
@@ -303,6 +375,7 @@ def _quant_snapshot(cache) -> list[dict]:
         ("snapkv:kv_bits=2:guard=range:protect_precision=guard", "sdpa"),
         ("full:kv_bits=8", "eager"),
         ("h2o:kv_bits=8", "sdpa"),
+        ("vase:kv_bits=4:kv_window=4", "sdpa"),
     ],
 )
 def test_ragged_rows_equal_rows_alone(spec, attn):
@@ -347,8 +420,16 @@ def _close_up_to_one_code(a: torch.Tensor, b: torch.Tensor, levels: int) -> None
     assert bool((diff[off] <= step[off] * 1.01 + 1e-5).all())
 
 
-@pytest.mark.parametrize("spec", ["vase:kv_bits=4", "full:kv_bits=4:guard=range:protect_precision=guard"])
-def test_replay_chunks_equal_token_by_token(spec):
+@pytest.mark.parametrize(
+    "spec, qlimit",
+    [
+        ("vase:kv_bits=4", 24),
+        ("full:kv_bits=4:guard=range:protect_precision=guard", 88),
+        ("vase:kv_bits=4:kv_window=8", 16),
+        ("full:kv_bits=4:kv_window=12", 72),
+    ],
+)
+def test_replay_chunks_equal_token_by_token(spec, qlimit):
     """The fidelity replay cuts its chunks where decoding evicts or quantizes (room()), so a chunked replay gives the
     next-token distributions of feeding one token at a time."""
     model = tiny_model("llama")
@@ -363,9 +444,7 @@ def test_replay_chunks_equal_token_by_token(spec):
         for t in cont[:-1]:
             out.append(torch.log_softmax(model(input_ids=t.view(1, 1), **cache_kwargs(cache)).logits[0, -1:], -1))
     torch.testing.assert_close(chunked, torch.cat(out), atol=2e-4, rtol=1e-4)
-    assert cache.seq.schedule.qlimit[0] == (24 if cfg.policy.evicts else 88) and cache.fill[0] == (
-        26 if cfg.policy.evicts else 90
-    )
+    assert cache.seq.schedule.qlimit[0] == qlimit and cache.fill[0] == (26 if cfg.policy.evicts else 90)
 
 
 def test_full_quantizes_in_blocks_of_buffer():

@@ -68,6 +68,73 @@ def test_request_fields_are_checked():
             check_fields(bad)
 
 
+def test_request_budgets_within_the_engine_limits():
+    """vase_budget: an integer within the budget rules and max_budget, or 'full' where allowed; the front end reads
+    the engine's limits from the configuration engine_args put in the environment; the worker's rows take the budget
+    (or never evict) and the scheduler's caps follow it."""
+    from types import SimpleNamespace
+
+    import vase.vllm
+    from vase.vllm.settings import SPEC_ENV, EngineSettings, check_fields, front_end_settings, parse
+    from vase.vllm.state import WorkerState
+
+    cfg, engine = parse("streaming_llm:budget=48:buffer=16:sinks=4:max_budget=112:allow_full=true")
+    assert engine == {"admission": "reserve", "max_budget": 112, "allow_full": True}
+    s = EngineSettings(cfg, block_size=32, **engine)
+    assert [s.request_budget(x) for x in (None, {"vase_budget": 96}, {"vase_budget": "full"})] == [48, 96, None]
+    assert (s.cap_tokens, s.table_tokens) == (64, 128)
+    assert s.request_cap_tokens(10, 400, 96) == 128 and s.request_cap_tokens(10, 400, None) == 416
+    assert s.request_cap_tokens(10, 400) == 64 and s.first_eviction(10, 96) == 112
+    for bad, words in [
+        ({"vase_budget": 200}, "vase_budget 200 is above this engine's max_budget 112"),
+        ({"vase_budget": 16}, "vase_budget 16: budget (16) must be larger than sinks + buffer"),
+        ({"vase_budget": "half"}, "vase_budget must be an integer number of tokens or 'full'"),
+        ({"vase_budget": 64.5}, "vase_budget must be an integer"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            check_fields(bad, s)
+    strict = EngineSettings(cfg, block_size=32)
+    with pytest.raises(ValueError, match="'full' is not allowed by this engine"):
+        strict.request_budget({"vase_budget": "full"})
+    with pytest.raises(ValueError, match="above this engine's max_budget 48"):
+        strict.request_budget({"vase_budget": 64})
+    check_fields({"vase_budget": 4096})  # without the engine's limits: the type only
+    for raw, words in [
+        ("h2o:budget=256:max_budget=128", "max_budget must be an integer number of tokens at least the budget (256)"),
+        ("vase:preset=paper:budget=128:buffer=64:max_budget=200", "max_budget 200: the published method"),
+        ("h2o:budget=256:allow_full=maybe", "allow_full must be true or false"),
+    ]:
+        with pytest.raises(vase.vllm.VaseConfigError, match=re.escape(words)):
+            parse(raw)
+
+    old = os.environ.pop(SPEC_ENV, None)
+    try:
+        assert front_end_settings() is None
+        vase.vllm.engine_args("streaming_llm", budget=48, buffer=16, max_budget=96)
+        front = front_end_settings()
+        assert front.largest_budget == 96 and not front.allow_full and front.config.budget == 48
+    finally:
+        os.environ.pop(SPEC_ENV, None)
+        if old is not None:
+            os.environ[SPEC_ENV] = old
+
+    ws = WorkerState(s, max_reqs=4)
+    ws.allocate(["l0"], kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float32)
+    assert ws.seq.tables.positions[0].shape[-1] == 128  # tables as wide as the largest budget's cap
+    for rid, extra in (
+        ("a", None),
+        ("b", {"vase_budget": 96}),
+        ("c", {"vase_budget": "full"}),
+        ("d", {"vase_budget": 500}),
+    ):
+        ws.admit(rid, SimpleNamespace(extra_args=extra, seed=None), prompt_tokens=10)
+    sched = ws.seq.schedule
+    rows = [ws.row_of[r] for r in "abcd"]
+    assert [sched.row_budget[r] for r in rows] == [48, 96, 48, 48]  # d: over the limit, the engine's budget (logged)
+    assert [sched.row_evicts[r] for r in rows] == [True, True, False, True]
+    assert [ws.limit_of(r) for r in "abd"] == [64, 112, 64]
+
+
 def test_eviction_seed_of_requests_and_parallel_sampling_children():
     from types import SimpleNamespace as Params
 
@@ -90,7 +157,7 @@ def test_spec_string_and_dict_resolve_alike():
     b, adm_b = parse({"policy": "snapkv:selector=sample", "budget": 256, "buffer": 32, "sinks": 2})
     assert (a.budget, a.buffer, a.sinks, a.policy.options["selector"]) == (256, 32, 2, "sample")
     assert (b.budget, b.buffer, b.sinks, b.policy.options) == (a.budget, a.buffer, a.sinks, a.policy.options)
-    assert adm_a == adm_b == "reserve"
+    assert adm_a == adm_b == {"admission": "reserve", "max_budget": None, "allow_full": False}
     paper, _ = parse("vase:preset=paper:budget=256:buffer=64")
     assert not paper.compress_prompt and paper.window == 64
 
@@ -496,11 +563,13 @@ def _free_port() -> int:
 
 
 @needs_vllm
-def test_server_answers_with_eviction(runs, model_dir, prompts, tmp_path):
+def test_server_answers_with_eviction(runs, model_dir, prompts, hf_model, tmp_path):
     """``python -m vase.vllm.serve`` (vLLM's OpenAI server, engine and worker in their own processes) answers a
     completion with the same tokens as the offline engine with eviction, not plain vLLM's; a request with a bad vase
-    field is refused alone (400); ``/metrics`` then shows vase's counters from the engine core's process beside
-    vLLM's own."""
+    field is refused alone (400); a request with its own budget (``vase_budget``, within the ``max_budget`` the
+    server started with) gets vase on transformers' tokens at that budget, one asking for ``"full"`` plain vLLM's, one
+    over the limit a 400 naming the field; ``/metrics`` then shows vase's counters from the engine core's process
+    beside vLLM's own."""
     offline = _result(runs, "exact")
     k = next(
         i for i, (a, b) in enumerate(zip(offline["streaming_llm"]["outputs"], offline["plain"]["outputs"])) if a != b
@@ -520,7 +589,7 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, tmp_path):
         "vase.vllm.serve",
         str(model_dir),
         "--vase",
-        f"streaming_llm:budget={BUDGET}:buffer={BUFFER}:sinks={SINKS}",
+        f"streaming_llm:budget={BUDGET}:buffer={BUFFER}:sinks={SINKS}:max_budget={2 * BUDGET}:allow_full=true",
         "--dtype",
         "float32",
         "--enforce-eager",
@@ -577,14 +646,36 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, tmp_path):
         assert refused.value.code == 400 and "vase_seed must be an integer" in refused.value.read().decode()
         again = json.load(urllib.request.urlopen(req, timeout=600))
         assert again["choices"][0]["token_ids"] == ids
+
+        def ask(prompt, vase_budget):
+            extra = {**body, "prompt": prompt, "vllm_xargs": {"vase_budget": vase_budget}}
+            asked = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=json.dumps(extra).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            return json.load(urllib.request.urlopen(asked, timeout=600))["choices"][0]["token_ids"]
+
+        # per-request budgets: the longest prompt at twice the engine's budget, as vase on transformers does
+        longest = max(prompts, key=len)
+        with torch.no_grad():
+            ref, evicted_at = _greedy_hf(
+                hf_model.model, longest, NEW, policy="streaming_llm", budget=2 * BUDGET, buffer=BUFFER, sinks=SINKS
+            )
+        assert evicted_at and ask(longest, 2 * BUDGET) == ref
+        assert ask(prompts[k], "full") == offline["plain"]["outputs"][k]
+        for over, words in ((2 * BUDGET + 1, "above this engine's max_budget 96"), (8, "vase_budget 8: budget (8)")):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                ask(prompts[k], over)
+            assert refused.value.code == 400 and words in refused.value.read().decode()
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         metrics = _prometheus_values(scraped)
-        # two answered requests of NEW tokens, each evicting every BUFFER tokens once past budget + buffer
+        # answered requests of NEW tokens, each evicting every BUFFER tokens once past its budget + buffer
         assert metrics["vase:evictions_total"] >= 2, scraped[-2000:]
-        compressed = 2 if len(prompts[k]) > BUDGET + BUFFER else 0
+        compressed = (2 if len(prompts[k]) > BUDGET + BUFFER else 0) + (len(longest) > 2 * BUDGET + BUFFER)
         assert metrics["vase:requests_compressed_at_prefill_total"] == compressed
         assert "vase:kv_blocks_held" in metrics and "vase:kv_blocks_without_eviction" in metrics
-        assert metrics["vllm:generation_tokens_total"] == 2 * NEW  # vLLM's own metrics are still there
+        assert metrics["vllm:generation_tokens_total"] == 4 * NEW  # vLLM's own metrics are still there
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -22,7 +22,9 @@ makes the bytes of what a compaction keeps (the budget's codes, scales and full-
 full cache's bytes for the sequence, ``budget = ceil(total / (r * c))`` (a token ratio of ``r * c``; without
 ``kv_bits`` the same budget as the ratio ``r``); a **memory budget** ``M`` is the bytes of ``M`` tokens in the model's
 dtype, ``budget = floor(M / c)``. The recent ``buffer`` (full precision in every configuration) comes on top of both,
-as it does for token budgets.
+as it does for token budgets. A full-precision window of ``R`` tokens (policy option ``kv_window``) is part of what a
+compaction keeps, each of its tokens costing ``w`` more (:func:`vase.core.quant.window_cost`): the budgets become
+``ceil((total / r - R * w) / c)`` and ``floor((M - R * w) / c)`` (:meth:`VaseConfig.kept_bytes`).
 """
 
 from __future__ import annotations
@@ -33,43 +35,16 @@ from dataclasses import dataclass, replace
 from . import budgets, quant
 from .policies import make_policy
 from .policy import Policy
-
-DEFAULT_BUDGET = 1024
-DEFAULT_BUFFER = 64
-DEFAULT_SINKS = 4
-
-
-def is_int(value) -> bool:
-    """An int that is not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_sizes(budget: int | None, buffer: int, sinks: int, window: int | None = None) -> None:
-    """The size rules (tokens; ``budget`` None: not known yet, e.g. from a ratio).
-
-    Raises:
-        ValueError: a non-integer size, buffer < 1, sinks < 0, budget not larger than sinks + buffer, window < 1.
-    """
-    for name, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks)):
-        if value is not None and not is_int(value):
-            raise ValueError(f"{name} must be an integer number of tokens, got {value!r}")
-    if buffer < 1:
-        raise ValueError(f"buffer must be >= 1 token, got {buffer}")
-    if sinks < 0:
-        raise ValueError(f"sinks must be >= 0 tokens, got {sinks}")
-    if budget is not None and budget <= sinks + buffer:
-        raise ValueError(
-            f"budget ({budget}) must be larger than sinks + buffer ({sinks} + {buffer} = {sinks + buffer}): "
-            "raise the budget or lower the buffer"
-        )
-    if window is not None and (not is_int(window) or window < 1):
-        raise ValueError(f"window must be a positive number of queries, got {window!r}")
-
-
-def check_ratio(ratio) -> None:
-    """Raises ValueError unless ``ratio`` is a number > 1 (a 4x smaller cache: 4)."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 < ratio < math.inf:
-        raise ValueError(f"compression ratio must be > 1 (e.g. 4 for a 4x smaller cache), got {ratio!r}")
+from .sizes import (
+    DEFAULT_BUDGET,
+    DEFAULT_BUFFER,
+    DEFAULT_SINKS,
+    check_element_bytes,
+    check_ratio,
+    check_sizes,
+    ratio_budget,
+    ratio_note,
+)
 
 
 def recent_window(policy: Policy, budget: int | None, buffer: int, sinks: int) -> int:
@@ -87,36 +62,6 @@ def recent_window(policy: Policy, budget: int | None, buffer: int, sinks: int) -
             f"recent ({recent}) + sinks ({sinks}) must be below the budget ({budget}): lower recent or raise the budget"
         )
     return recent
-
-
-def published_budget(budget: int, buffer: int) -> int:
-    """``budget`` rounded to the nearest multiple of ``buffer`` (at least two buffers): the budgets the published
-    method can take, for budgets derived from a compression ratio."""
-    return max(round(budget / buffer), 2) * buffer
-
-
-def ratio_budget(total_tokens: float, ratio: float, buffer: int, sinks: int = DEFAULT_SINKS, published: bool = False):
-    """The budget (tokens per KV head) that compresses ``total_tokens`` (prompt + new tokens) by ``ratio``:
-    ``ceil(total / ratio)``, at least ``sinks + buffer + 1`` (room for one candidate); with ``published`` (a run
-    holding the published method, ``preset='paper'``) rounded by :func:`published_budget`, for every policy of the
-    run alike. Used by ``vase generate --ratio``, the evaluation sweeps and the fidelity replays."""
-    budget = max(math.ceil(total_tokens / ratio), sinks + buffer + 1)
-    return published_budget(budget, buffer) if published else budget
-
-
-def ratio_note(total_tokens: int, ratio: float, buffer: int, sinks: int = DEFAULT_SINKS, published: bool = False):
-    """A warning when ``total_tokens`` cannot be compressed by ``ratio`` (the floor ``sinks + buffer + 1`` raised its
-    budget, or the published preset rounded it, by more than 5%), else None."""
-    budget = ratio_budget(total_tokens, ratio, buffer, sinks, published)
-    measured = total_tokens / budget
-    if measured >= 0.95 * ratio:
-        return None
-    return (
-        f"ratio {ratio:g}x asked, {measured:.2f}x measured for {total_tokens} tokens: the budget is raised to {budget} "
-        f"(at least sinks + buffer + 1 = {sinks + buffer + 1}"
-        + (", rounded to the buffer for the published preset" if published else "")
-        + "); results are labelled with the compression measured"
-    )
 
 
 def check_published(policy: Policy, budget: int, buffer: int, window: int) -> None:
@@ -151,26 +96,6 @@ def check_compileable_policy(policy: Policy) -> None:
             "compiled decoding does not support quantized entries (kv_bits): they are dequantized before each "
             "layer's attention, outside the graph; decode uncompiled (compile=False) or without kv_bits"
         )
-
-
-def check_element_bytes(element_bytes) -> None:
-    """Raises ValueError unless ``element_bytes`` (bytes of one element in the model's dtype) is 1, 2, 4 or 8."""
-    if isinstance(element_bytes, bool) or element_bytes not in (1, 2, 4, 8):
-        raise ValueError(
-            f"element_bytes must be the size of the model's dtype in bytes (4 for float32, 2 for bfloat16), got "
-            f"{element_bytes!r}"
-        )
-
-
-def compiled_capacity(tokens: int) -> int:
-    """Slots allocated per (layer, KV head) by compiled decoding when the slots needed, ``tokens``, follow the prompt
-    (the ``full`` policy, a compression ratio, a dense prompt): the next power of two, at least 256.
-
-    A compiled decode step is one graph per buffer shape, so rounding bounds the graphs one process compiles to one per
-    power of two, whatever the prompt lengths: capacities up to ``2**k`` give at most ``k - 7`` graphs (8 up to
-    32,768 slots) for each batch size. The slots past what a sequence needs are masked and never hold a token.
-    """
-    return max(256, 1 << max(int(tokens) - 1, 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -339,7 +264,7 @@ class VaseConfig:
         cost = base.token_cost
         if byte_ratio is not None:
             return replace(base, ratio=float(byte_ratio) * cost, byte_ratio=float(byte_ratio))
-        fits = math.floor(memory_budget / cost + 1e-9)
+        fits = math.floor((memory_budget - base.kept_bytes(0)) / cost + 1e-9)
         if fits <= base.sinks + base.buffer:
             raise ValueError(
                 f"a memory budget of {memory_budget:g} tokens' bytes holds {fits} tokens"
@@ -385,6 +310,26 @@ class VaseConfig:
         share = self.policy.guard.share if self.protect_precision == "guard" and self.policy.guard else 0.0
         return quant.token_cost(self.kv_bits, self.kv_group, self.element_bytes, share)
 
+    @property
+    def kv_window(self) -> int:
+        """The newest tokens always kept in full precision with quantized entries (policy option ``kv_window``)."""
+        return self.policy.options.get("kv_window", 0)
+
+    def kept_bytes(self, kept: float) -> float:
+        """The bytes of ``kept`` tokens kept by a compaction, in tokens of the model's dtype: ``kept * token_cost``
+        plus the full-precision window's ``kv_window * window_cost`` (:func:`vase.core.quant.window_cost`).
+
+        Raises:
+            ValueError: with ``kv_bits`` but no ``element_bytes``.
+        """
+        window = self.kv_window and self.kv_window * quant.window_cost(self.kv_bits, self.kv_group, self.element_bytes)
+        return kept * self.token_cost + window
+
+    def _ratio_total(self, total_tokens: float) -> float:
+        """The length whose plain ratio budget is the byte ratio's (``kept_bytes(budget) = total / byte_ratio``)."""
+        window = self.kept_bytes(0) if self.byte_ratio is not None and self.kv_window else 0.0
+        return total_tokens - (self.byte_ratio or 0.0) * window
+
     def with_budget(self, budget: int) -> VaseConfig:
         """This configuration at a fixed ``budget`` (tokens), with every budget rule checked.
 
@@ -399,6 +344,11 @@ class VaseConfig:
             self.policy.sparse.check(budget, self.sinks)
         if self.policy.adaptive_budgets:  # the pyramid's first layer must fit the cap, whatever the depth
             budgets.check_cap(self.policy.options, budget, self.sinks + self.recent)
+        if self.kv_window >= budget and self.policy.evicts:
+            raise ValueError(
+                f"kv_window {self.kv_window} must be below the budget {budget} (the newest kept tokens held in full "
+                "precision): lower kv_window or raise the budget"
+            )
         return replace(self, budget=int(budget))
 
     def budget_for(self, total_tokens: int) -> int:
@@ -406,7 +356,7 @@ class VaseConfig:
         :func:`ratio_budget` of the ratio (rounded to the buffer for the published preset)."""
         if self.ratio is None:
             return self.budget
-        return ratio_budget(total_tokens, self.ratio, self.buffer, self.sinks, self.policy.published)
+        return ratio_budget(self._ratio_total(total_tokens), self.ratio, self.buffer, self.sinks, self.policy.published)
 
     def for_length(self, total_tokens: int, published: bool | None = None) -> VaseConfig:
         """This configuration with its budget for a sequence of ``total_tokens`` (itself with a fixed budget).
@@ -417,7 +367,7 @@ class VaseConfig:
         if self.ratio is None:
             return self
         pub = self.policy.published if published is None else published
-        return self.with_budget(ratio_budget(total_tokens, self.ratio, self.buffer, self.sinks, pub))
+        return self.with_budget(ratio_budget(self._ratio_total(total_tokens), self.ratio, self.buffer, self.sinks, pub))
 
     def effective_ratio(self, total_tokens: int) -> float:
         """The compression ``total_tokens / budget`` a sequence of that length gets (below the ratio asked for when

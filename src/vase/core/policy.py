@@ -68,7 +68,13 @@ COMMON_OPTIONS = {
     "budget_cap": BUDGET_CAP,
     "head_floor": FLOOR_SHARE,
     "pyramid_beta": PYRAMID_BETA,
-    **{"kv_bits": None, "kv_group": quant.DEFAULT_GROUP, "protect_precision": "none", "kv_attention": "codes"},
+    **{
+        "kv_bits": None,
+        "kv_group": quant.DEFAULT_GROUP,
+        "protect_precision": "none",
+        "kv_attention": "codes",
+        "kv_window": 0,
+    },
 }
 # the options of the full cache with quantized storage (policy ``full``: quantization alone, no eviction)
 QUANT_OPTIONS = {
@@ -76,6 +82,7 @@ QUANT_OPTIONS = {
     "kv_group": quant.DEFAULT_GROUP,
     "protect_precision": "none",
     "kv_attention": "codes",
+    "kv_window": 0,
     "guard": None,
     "protect_share": 0.25,
     "guard_rule": "share",
@@ -198,7 +205,11 @@ class Policy:
         o = self.options
         share = self.guard.share if self.guard is not None else None
         return quant.bits_text(
-            o.get("kv_bits"), o.get("kv_group", quant.DEFAULT_GROUP), o.get("protect_precision"), share
+            o.get("kv_bits"),
+            o.get("kv_group", quant.DEFAULT_GROUP),
+            o.get("protect_precision"),
+            share,
+            o.get("kv_window", 0),
         )
 
 
@@ -283,7 +294,12 @@ def compose(
     check_budget_options(opts, options)
 
     quant.check_options(
-        opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard_of(opts), opts["kv_attention"]
+        opts["kv_bits"],
+        opts["kv_group"],
+        opts["protect_precision"],
+        guard_of(opts),
+        opts["kv_attention"],
+        opts["kv_window"],
     )
     scorer = make_scorer(**{k: opts[k] for k in scorer_defaults})
     selector: Selector = Sample(temperature) if opts["selector"] == "sample" else TopK()
@@ -330,7 +346,9 @@ def _quant_guard(opts: dict, given: dict) -> ValueGuard | None:
         raise ValueError(f"unknown value-guard metric {opts['guard']!r}; choose one of {', '.join(GUARD_METRICS)}")
     check_guard_rule(opts["guard_rule"], opts["outlier_factor"], opts["guard"])
     guard = guard_of(opts)
-    quant.check_options(opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard, opts["kv_attention"])
+    quant.check_options(
+        opts["kv_bits"], opts["kv_group"], opts["protect_precision"], guard, opts["kv_attention"], opts["kv_window"]
+    )
     extra = sorted(k for k in ("guard", "protect_share", "guard_rule", "outlier_factor") if k in given)
     if extra and opts["protect_precision"] != "guard":
         raise ValueError(

@@ -6,6 +6,12 @@ compaction) stay in full precision: KIVI's scheme (Liu et al. 2024, "KIVI: A Tun
 Quantization for KV Cache", arXiv 2402.02750, Sec. 3: asymmetric min/max quantization in groups, keys per channel,
 values per token, a full-precision residual of the newest tokens).
 
+**The full-precision window** (``kv_window``): by default the recent tokens are those written since the row's last
+quantization, so the window drops to zero at every quantization and compaction and the newest tokens are quantized at
+once. With ``kv_window=R`` the newest ``R`` tokens always stay in full precision, the window in ``[R, R + buffer)``
+(KIVI's sliding residual, Sec. 3.2: ``R`` recent tokens kept, quantized in blocks of ``G`` as they age). Its bytes are
+counted: ``R`` tokens at full precision instead of their codes (:func:`window_cost`).
+
 **Keys: per channel, made movable.** KIVI quantizes keys per channel over groups of consecutive tokens, because a
 few key channels hold much larger magnitudes than the others. An evicting cache moves its kept entries at every
 compaction (the kept ones are gathered to the front, in position order), and eviction breaks any group of tokens
@@ -46,20 +52,28 @@ FACTOR_BYTES = 4  # the key channel factors: float32, one per channel and (row, 
 _FP16_MAX = 65504.0
 
 
-def check_options(kv_bits, group, protect_precision, guard, attention: str = "codes") -> None:
-    """The quantization options of a policy (``kv_bits``, ``kv_group``, ``protect_precision``, ``kv_attention``), as
-    clear errors.
+def check_options(kv_bits, group, protect_precision, guard, attention: str = "codes", window=0) -> None:
+    """The quantization options of a policy (``kv_bits``, ``kv_group``, ``protect_precision``, ``kv_attention``,
+    ``kv_window``), as clear errors.
 
     Args:
         kv_bits: None, 8, 4 or 2; group: channels per group; protect_precision: 'none' or 'guard';
-        guard: the policy's :class:`vase.core.selection.ValueGuard`, or None; attention: one of :data:`KV_ATTENTION`.
+        guard: the policy's :class:`vase.core.selection.ValueGuard`, or None; attention: one of :data:`KV_ATTENTION`;
+        window: the newest tokens always kept in full precision (tokens, >= 0).
 
     Raises:
         ValueError: ``kv_bits`` not one of None, 8, 4, 2; a group that is not a positive power of two;
             ``protect_precision`` not 'none' or 'guard'; 'guard' without kv_bits, without a value guard, with the
             ``random`` guard (it has no magnitudes to rank) or with ``guard_mode='evict'``; ``kv_attention`` not
-            'codes' or 'dequantize'.
+            'codes' or 'dequantize'; a window that is not a whole number of tokens >= 0, or above 0 without kv_bits.
     """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(
+            f"kv_window must be a number of tokens >= 0 (the newest tokens always kept in full precision), got "
+            f"{window!r}"
+        )
+    if window and kv_bits is None:
+        raise ValueError("kv_window applies to quantized entries only: add kv_bits=8, 4 or 2")
     if attention not in KV_ATTENTION:
         raise ValueError(
             f"kv_attention must be one of {', '.join(KV_ATTENTION)} (codes: decoding reads the quantized codes; "
@@ -105,6 +119,15 @@ def token_cost(kv_bits: int | None, group: int, element_bytes: int, protect_shar
     if kv_bits is None:
         return 1.0
     return (kv_bits / 8 + 2 * SCALE_BYTES / group) / element_bytes + protect_share
+
+
+def window_cost(kv_bits: int | None, group: int, element_bytes: int) -> float:
+    """What one token of the full-precision window (``kv_window``) costs above a quantized kept token, in tokens of
+    the model's dtype: ``1 - (kv_bits / 8 + 4 / group) / element_bytes`` (0 without ``kv_bits``). A compaction that
+    keeps ``budget`` tokens with a window of ``R`` holds ``budget * token_cost + R * window_cost`` tokens' bytes."""
+    if kv_bits is None:
+        return 0.0
+    return 1.0 - token_cost(kv_bits, group, element_bytes)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -218,11 +241,16 @@ def protected_slots(guard, share_of: int, sinks: int) -> int:
     return guard.count(share_of, sinks) if guard is not None else 0
 
 
-def bits_text(kv_bits: int | None, group: int, protect: str = "none", share: float | None = None) -> str:
-    """``'4-bit KV (groups of 32)'``, with the guard's full-precision share when protecting; '' without kv_bits."""
+def bits_text(
+    kv_bits: int | None, group: int, protect: str = "none", share: float | None = None, window: int = 0
+) -> str:
+    """``'4-bit KV (groups of 32)'``, with the guard's full-precision share when protecting and the full-precision
+    window when there is one; '' without kv_bits."""
     if kv_bits is None:
         return ""
     text = f"{kv_bits}-bit KV (groups of {group})"
     if protect == "guard" and share is not None:
         text += f", largest {share:.0%} in full precision"
+    if window:
+        text += f", newest {window} in full precision"
     return text

@@ -13,11 +13,15 @@ Every integration runs the same schedule (VaSE, arXiv 2606.03928, Sec. 3.3: stat
   False``, the published code) the first multiple of the buffer above the prompt, at least ``budget + buffer`` (the
   reference compacts when the length exceeds the budget and is a multiple of the buffer). Per row, so a row of a
   ragged batch evicts exactly as it would alone.
+* its own **budget** (a serving engine's per-request budget, :meth:`Schedule.admit`): the schedule's by default; a row
+  may also never evict (a request served with the full cache).
 
 With quantized storage (``kv_bits``, :mod:`vase.core.quant`) each row also has a **quantization limit** ``qlimit``:
 its slots below it hold quantized entries. A row quantizes what it keeps at each compaction, and in between each time
 ``buffer`` tokens have arrived since its last quantization, up to ``L`` slots (its eviction limit less the buffer; for
-a policy that never evicts, every slot allocated).
+a policy that never evicts, every slot allocated). With a full-precision window of ``R`` tokens (``kv_window``, KIVI's
+sliding residual) a row keeps its newest ``R`` tokens out of it: a compaction quantizes ``slots - R``, a row quantizes
+``buffer`` more each time ``R + buffer`` tokens are above its limit, up to ``L - R``.
 
 The schedule holds no tensors and knows nothing of storage: an integration asks it for a :class:`StepSchedule`
 (:meth:`Schedule.plan`), runs the step (writes, attention, the evictions it names, see
@@ -89,17 +93,35 @@ class Schedule:
         evicts: False for a policy that never evicts (``full``, ``quest``): rows then never evict.
         compress_prompt: compress a prompt longer than the budget at prefill (see :func:`first_limit`).
         quantize: quantized storage (``kv_bits``): plan each row's quantization limit.
+        window: with quantized storage, the newest tokens each row always holds in full precision (``kv_window``).
 
     Raises:
-        ValueError: ``slots`` below ``budget``, or a buffer below 1.
+        ValueError: ``slots`` below ``budget``, a buffer below 1, or a window below 0 or, for an evicting policy, not
+            below ``slots``.
     """
 
-    def __init__(self, *, budget: int, buffer: int, slots: int, evicts: bool, compress_prompt: bool, quantize=False):
+    def __init__(
+        self,
+        *,
+        budget: int,
+        buffer: int,
+        slots: int,
+        evicts: bool,
+        compress_prompt: bool,
+        quantize=False,
+        window: int = 0,
+    ):
         if buffer < 1 or slots < budget:
             raise ValueError(f"a schedule needs buffer >= 1 and slots >= budget, got {buffer} and {slots} < {budget}")
+        if window < 0 or (evicts and window >= slots):
+            raise ValueError(f"a schedule's full-precision window must be in [0, slots = {slots}), got {window}")
+        self.window = window
         self.budget, self.buffer, self.slots = budget, buffer, slots
         self.evicts, self.compress_prompt, self.quantize = evicts, compress_prompt, quantize
         self.fill: list[int] = []
+        self.row_budget: list[int] = []  # each row's budget (the schedule's unless admitted with its own)
+        self.row_slots: list[int] = []  # each row's slots after an eviction
+        self.row_evicts: list[bool] = []  # False for a row that never evicts
         self.seen: list[int] = []
         self.evictions: list[int] = []
         self.first: list[int] = []  # each row's first limit
@@ -116,27 +138,51 @@ class Schedule:
 
     def resize(self, rows: int) -> None:
         """Room for ``rows`` rows (new rows empty; never shrinks)."""
+        grow = rows - len(self.fill)
         for name in ("fill", "seen", "evictions", "first", "qlimit"):
-            table = getattr(self, name)
-            table.extend([0] * (rows - len(table)))
+            getattr(self, name).extend([0] * grow)
+        self.row_budget.extend([self.budget] * grow)
+        self.row_slots.extend([self.slots] * grow)
+        self.row_evicts.extend([self.evicts] * grow)
 
-    def admit(self, row: int, prompt_tokens: int) -> None:
+    def admit(self, row: int, prompt_tokens: int, budget: int | None = None, evicts: bool = True) -> None:
         """Start ``row`` afresh for a sequence whose prompt has ``prompt_tokens`` real tokens (its first limit follows
-        it with a dense prompt)."""
+        it with a dense prompt).
+
+        Args:
+            budget: the row's own budget (tokens; default: the schedule's), its slots after an eviction.
+            evicts: False: the row never evicts (a request served with the full cache).
+
+        Raises:
+            ValueError: a budget of its own with adaptive budgets (``slots`` above the budget), or below 1.
+        """
         if row >= self.rows:
             self.resize(row + 1)
+        if budget is not None and budget != self.budget:
+            if self.slots != self.budget or budget < 1:
+                raise ValueError(
+                    f"a row's own budget needs uniform budgets (slots = budget) and at least 1 token, got {budget}"
+                )
+            self.row_budget[row] = self.row_slots[row] = budget
+        else:
+            self.row_budget[row], self.row_slots[row] = self.budget, self.slots
+        self.row_evicts[row] = self.evicts and evicts
         self.fill[row] = self.seen[row] = self.evictions[row] = self.qlimit[row] = 0
-        self.first[row] = self.first_limit(prompt_tokens)
+        self.first[row] = self.first_limit(prompt_tokens, self.row_budget[row], self.row_evicts[row])
 
-    def first_limit(self, prompt: int) -> int:
-        """:func:`first_limit` with this schedule's sizes."""
+    def first_limit(self, prompt: int, budget: int | None = None, evicts: bool | None = None) -> int:
+        """:func:`first_limit` with this schedule's sizes (``budget``, ``evicts``: a row's own)."""
         return first_limit(
-            prompt, budget=self.budget, buffer=self.buffer, evicts=self.evicts, compress_prompt=self.compress_prompt
+            prompt,
+            budget=self.budget if budget is None else budget,
+            buffer=self.buffer,
+            evicts=self.evicts if evicts is None else evicts,
+            compress_prompt=self.compress_prompt,
         )
 
     def limit(self, row: int) -> int:
         """Fill at which ``row`` evicts next: its first limit until its first eviction, then ``slots + buffer``."""
-        return self.slots + self.buffer if self.evictions[row] else self.first[row]
+        return self.row_slots[row] + self.buffer if self.evictions[row] else self.first[row]
 
     def limits(self, rows=None) -> list[int]:
         """:meth:`limit` of each of ``rows`` (default: every row)."""
@@ -164,9 +210,9 @@ class Schedule:
         fill = [self.fill[r] for r in rows]
         keep, evict = [], []
         for i, (r, f, n) in enumerate(zip(rows, fill, counts)):
-            if self.evicts and f + n >= self.limit(r):
+            if self.row_evicts[r] and f + n >= self.limit(r):
                 evict.append(i)
-                keep.append(self.slots)
+                keep.append(self.row_slots[r])
             else:
                 keep.append(f + n)
         step = StepSchedule(
@@ -183,18 +229,20 @@ class Schedule:
         return step
 
     def _plan_quantization(self, step: StepSchedule, append: bool, capacity: int) -> None:
-        """Each row's quantization limit after ``step``: rows that evict quantize what they keep (``slots``); a row
-        whose recent tokens reach ``buffer`` quantizes them (whole multiples of ``buffer`` after a multi-token step),
-        up to its most quantized slots :meth:`quantization_limit`."""
+        """Each row's quantization limit after ``step``: rows that evict quantize what they keep (``slots``) less the
+        window; a row whose recent tokens reach ``window + buffer`` quantizes ``buffer`` of them (whole multiples of
+        ``buffer`` after a multi-token step, the newest ``window`` left), up to its most quantized slots
+        :meth:`quantization_limit`."""
         evicting = set(step.evict)
         before = [self.qlimit[r] for r in step.rows]
         out = []
+        w, g = self.window, self.buffer
         for i, (r, n, q) in enumerate(zip(step.rows, step.keep, before)):
             most = self.quantization_limit(r, capacity)
             if i in evicting:
-                new = min(self.slots, most)
-            elif n - q >= self.buffer and q < most:
-                new = min(q + (n - q) // self.buffer * self.buffer, most)
+                new = min(self.row_slots[r] - w, most)
+            elif n - q >= w + g and q < most:
+                new = min(q + (n - q - w) // g * g, most)
                 if append:
                     step.flush.append(i)
             else:
@@ -204,8 +252,10 @@ class Schedule:
 
     def quantization_limit(self, row: int, capacity: int) -> int:
         """The most slots ``row`` may hold quantized: its eviction limit less the buffer (its own, so that a row of a
-        ragged batch quantizes as it would alone); for a policy that never evicts, every slot (``capacity``)."""
-        return self.limit(row) - self.buffer if self.evicts else capacity
+        ragged batch quantizes as it would alone); for a policy that never evicts, every slot (``capacity``); both
+        less the full-precision window."""
+        most = self.limit(row) - self.buffer if self.row_evicts[row] else capacity
+        return max(most - self.window, 0)
 
     def commit(self, step: StepSchedule) -> None:
         """After the step ran: fills, tokens seen, eviction counts and quantization limits move on."""
@@ -215,8 +265,8 @@ class Schedule:
             for i in step.evict:
                 r = step.rows[i]
                 # tokens held per (layer, KV head) on average: the fill, less the dead slots of a row compacted before
-                gap = self.slots - self.budget if self.evictions[r] else 0
-                self.tokens_evicted += step.fill_before[i] + step.counts[i] - gap - self.budget
+                gap = self.row_slots[r] - self.row_budget[r] if self.evictions[r] else 0
+                self.tokens_evicted += step.fill_before[i] + step.counts[i] - gap - self.row_budget[r]
                 self.evictions[r] += 1
         for i, r in enumerate(step.rows):
             self.fill[r] = step.keep[i]
@@ -236,8 +286,8 @@ class Schedule:
                 out.append(self.limit(r) - f)
                 continue
             q, most = self.qlimit[r], self.quantization_limit(r, capacity)
-            nxt = q + self.buffer - f
-            if self.evicts:
+            nxt = q + self.window + self.buffer - f
+            if self.row_evicts[r]:
                 nxt = min(self.limit(r) - f, nxt) if q < most else self.limit(r) - f
             out.append(nxt)
         return out

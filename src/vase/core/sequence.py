@@ -69,15 +69,17 @@ class Sequences:
             evicts=self.policy.evicts,
             compress_prompt=config.compress_prompt,
             quantize=config.kv_bits is not None,
+            window=config.kv_window,
         )
         self.tables = RowTables(self.layer_ids, self.policy.state_names, self.policy.memo_names)
         self.ring = QueryRing(len(self.layer_ids), config.window) if config.window else None
 
     # ----------------------------------------------------------------------------------------------- rows
-    def admit(self, row: int, prompt_tokens: int, seed: int) -> None:
+    def admit(self, row: int, prompt_tokens: int, seed: int, budget: int | None = None, evicts: bool = True) -> None:
         """A new sequence in ``row``: its schedule from its prompt's length, its tables emptied, its ring forgotten,
-        its random key from ``seed``."""
-        self.schedule.admit(row, prompt_tokens)
+        its random key from ``seed``; ``budget`` / ``evicts``: its own budget, or no eviction at all
+        (:meth:`vase.core.schedule.Schedule.admit`)."""
+        self.schedule.admit(row, prompt_tokens, budget, evicts)
         self.tables.reset_row(row)
         self.tables.set_seeds([row], [seed])
         if self.ring is not None and row < self.ring.rows:
@@ -126,9 +128,20 @@ class Sequences:
 
         Returns:
             The :class:`vase.core.evict.LayerEviction` (kept indices ``[b, H, slots]``, counts kept, new state).
+
+        Raises:
+            ValueError: rows admitted with different budgets (split them with :func:`budget_groups`).
         """
         dev = keys.device
         table_rows = [step.rows[i] for i in which]
+        own = {self.schedule.row_budget[r] for r in table_rows}
+        if len(own) > 1:
+            raise ValueError(f"the rows of one eviction call must share a budget, got {sorted(own)}: see budget_groups")
+        row_budget = own.pop() if own else self.config.budget
+        if row_budget == self.config.budget:
+            budget, slots = self.layer_budgets[layer], self.slots
+        else:  # a row's own budget (uniform budgets only: Schedule.admit)
+            budget = slots = row_budget
         every = table_rows == list(range(len(self.tables.row_keys))) and rows is None
         if rows is None and not every:
             rows = torch.tensor(table_rows, dtype=torch.long).to(dev)
@@ -143,8 +156,8 @@ class Sequences:
             values,
             positions,
             valid,
-            budget=self.layer_budgets[layer],
-            slots=self.slots,
+            budget=budget,
+            slots=slots,
             sinks=self.config.sinks,
             recent=self.config.recent,
             row_keys=self.tables.keys_tensor(dev, sel),
@@ -160,6 +173,15 @@ class Sequences:
         )
         self.tables.set_memo(layer, sel, ev.memo)
         return ev
+
+
+def budget_groups(step: StepSchedule, which: list[int], schedule) -> list[list[int]]:
+    """``which`` (positions in ``step``'s row order) split into groups of rows that share a budget, in order of first
+    appearance: one :meth:`Sequences.evict` call per group when rows have budgets of their own."""
+    groups: dict[int, list[int]] = {}
+    for i in which:
+        groups.setdefault(schedule.row_budget[step.rows[i]], []).append(i)
+    return list(groups.values())
 
 
 def _upload(values: list[int], device) -> torch.Tensor:

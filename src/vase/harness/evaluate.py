@@ -362,7 +362,7 @@ def run_sweep(
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
     """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
     rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
-    from ..core.config import ratio_budget, ratio_note
+    from ..core.sizes import ratio_budget, ratio_note
 
     out = {}
     for task, plist in problems.items():

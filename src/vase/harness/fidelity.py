@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from pydantic import Field, model_validator
 
-from ..core.config import VaseConfig, check_sizes, ratio_budget
+from ..core.config import VaseConfig
+from ..core.sizes import check_sizes, ratio_budget
 from ..hf.compat import cache_kwargs
 from ..hf.models import check_load_options, resolve_device, resolve_dtype
 from .data import load_problems
@@ -148,7 +149,7 @@ def compare(ref: torch.Tensor, pol: torch.Tensor, targets: torch.Tensor, bucket:
 
 def replay_budget(config: FidelityConfig, source: dict, kind: str, value: float) -> int:
     """The budget (tokens per KV head) of one replay of ``source``: ``value`` itself for ``kind='budget'``, else
-    :func:`vase.core.config.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
+    :func:`vase.core.sizes.ratio_budget` of the source's length (prompt + continuation, tokens) at the ratio ``value``
     (rounded to the buffer for every policy alike when the run holds the published method)."""
     if kind == "budget":
         return int(value)
@@ -225,13 +226,13 @@ def policy_budgets(config: FidelityConfig, configs: dict, source: dict, kind: st
 def _memory(kind: str, cfg: VaseConfig, cache, length: int, budget: int) -> dict:
     """The byte fields of a record with ``kv_bits`` or at a byte ratio: ``byte_ratio`` asked, ``kv_bits``,
     ``kept_compression`` (the full cache's bytes for the sequence over the bytes of what a compaction keeps, the budget
-    at the policy's cost per token: what a byte ratio asks for), ``bytes_held`` / ``bytes_full`` (every byte the
-    evicting layers store at the end, and a full cache's) and ``memory_compression`` (their ratio); ``{}`` for other
-    records (so records without kv_bits and byte ratios are as before)."""
+    at the policy's cost per token with its full-precision window: what a byte ratio asks for), ``bytes_held`` /
+    ``bytes_full`` (every byte the evicting layers store at the end, and a full cache's) and ``memory_compression``
+    (their ratio); ``{}`` for other records (so records without kv_bits and byte ratios are as before)."""
     if kind != "bytes" and cfg.kv_bits is None:
         return {}
     kept = length if not cfg.policy.evicts else min(budget, length)
-    out = {"byte_ratio": None, "kv_bits": cfg.kv_bits, "kept_compression": length / (kept * cfg.token_cost)}
+    out = {"byte_ratio": None, "kv_bits": cfg.kv_bits, "kept_compression": length / cfg.kept_bytes(kept)}
     if kind == "bytes":
         out["byte_ratio"] = cfg.byte_ratio
     if cache is not None:

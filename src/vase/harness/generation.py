@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.config import DEFAULT_BUDGET, VaseConfig, is_int
+from ..core.config import VaseConfig
+from ..core.sizes import DEFAULT_BUDGET, is_int
 from ..hf.cache import EvictingCache
 from ..hf.compat import cache_kwargs
 from ..hf.compiled import compile_config

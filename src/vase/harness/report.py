@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from ..core.config import DEFAULT_SINKS
+from ..core.sizes import DEFAULT_SINKS
 from .plots import eval_figure, fidelity_figure, save
 from .ranking import compression, fidelity_sizes, policy_order, references, size_label, winner_line
 from .stats import kl_text, paired_diff, paired_text, pm

@@ -34,9 +34,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core import budgets
-from ..core.config import DEFAULT_BUDGET, DEFAULT_BUFFER, DEFAULT_SINKS, VaseConfig, is_int
+from ..core.config import VaseConfig
 from ..core.policy import Policy
 from ..core.sequence import Sequences
+from ..core.sizes import DEFAULT_BUDGET, DEFAULT_BUFFER, DEFAULT_SINKS, is_int
 from . import attention as attn
 from . import hybrid
 from .compiled import CompiledDecode, check_compileable
@@ -450,6 +451,7 @@ class EvictingCache(Cache):
             bytes_live=live,
             kv_bits=self.kv_bits,
             kv_group=self.kv_group,
+            kv_window=self.config.kv_window,
             bytes_workspace=ws.nbytes() if ws is not None else 0,
             dequant_seconds=ws.dequant_seconds if ws is not None else 0.0,
             quant_seconds=ws.quant_seconds if ws is not None else 0.0,

@@ -14,7 +14,7 @@ pre-hook.
 
 One graph per model, batch size, buffer shape and saved-query ring: a fixed budget gives one buffer shape for any
 prompt length; where the slots needed follow the prompt (the ``full`` policy, a compression ratio, a dense prompt)
-the buffers are allocated at :func:`vase.core.config.compiled_capacity` (the next power of two), so one process
+the buffers are allocated at :func:`vase.core.sizes.compiled_capacity` (the next power of two), so one process
 compiles at most one graph per power of two.
 
 Everything of compiled decoding is this one object, held by the cache (``cache.compiled``; None without
@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.config import check_compileable_policy, is_int
+from ..core.config import check_compileable_policy
 from ..core.masks import mask_in_kind
 from ..core.policy import Policy
+from ..core.sizes import is_int
 from . import attention as attn
 from .step import upload
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 RECOMPILE_LIMIT = 64
 """Graphs torch may compile for one decode step (:func:`compile_config` raises dynamo's ``recompile_limit``, 8 by
 default, to this): one per batch size and buffer shape, and the buffer shapes that follow the prompt are powers of
-two (:func:`vase.core.config.compiled_capacity`), so a process serving many prompt lengths and batch sizes stays
+two (:func:`vase.core.sizes.compiled_capacity`), so a process serving many prompt lengths and batch sizes stays
 below it."""
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.config import compiled_capacity
+from ..core.sizes import compiled_capacity
 from .step import ForwardStep
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class ForwardPlanner:
     def _graph_capacity(self, needed: int) -> int:
         """Slots to allocate for ``needed``: itself, except in compiled decoding when ``needed`` follows the prompt
         (the ``full`` policy, a budget from a compression ratio, a dense prompt longer than the budget), where it is
-        rounded up to a power of two (:func:`vase.core.config.compiled_capacity`) so that one process compiles at
+        rounded up to a power of two (:func:`vase.core.sizes.compiled_capacity`) so that one process compiles at
         most one decode graph per power of two, whatever the prompt lengths."""
         c = self.cache
         if not c.compileable:

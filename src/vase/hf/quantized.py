@@ -3,13 +3,15 @@
 What each evicting layer holds with ``kv_bits`` (see :mod:`vase.core.quant` for the quantization itself), per (row,
 KV head):
 
-* **quantized store**, ``L = capacity - buffer`` logical slots (the budget after a compaction): key and value codes
+* **quantized store**, ``L = capacity - buffer - R`` logical slots (the budget after a compaction, less the
+  full-precision window ``R = kv_window``, 0 by default): key and value codes
   ``[B, H, L, D * bits / 8]`` uint8 with their float16 steps and minima ``[B, H, L, D / group]``, and the key
   channel factors ``[B, H, D]`` float32. Slot ``i`` of the store is logical slot ``i`` of the layer (position order),
   so the entries the guard keeps in full precision leave their quantized slot unused;
-* **full-precision store** ``[B, H, P + buffer, D]`` (model dtype): ``P`` entries kept in full precision by the value
-  guard (``protect_precision='guard'``; their logical slots in ``protected``), then the row's recent tokens, those
-  written since its last quantization (KIVI's full-precision residual, arXiv 2402.02750, Sec. 3.2).
+* **full-precision store** ``[B, H, P + R + buffer, D]`` (model dtype): ``P`` entries kept in full precision by the
+  value guard (``protect_precision='guard'``; their logical slots in ``protected``), then the row's recent tokens,
+  those above its quantization limit (KIVI's full-precision residual, arXiv 2402.02750, Sec. 3.2): the tokens written
+  since its last quantization, and with a window the newest ``R`` always.
 
 Each row quantizes at every compaction (what it keeps, less the guard's full-precision entries) and, in between, each
 time ``buffer`` new tokens have arrived since its last quantization (before its first eviction, and always for the
@@ -90,7 +92,8 @@ class QuantizedStorage:
         kq, vq: ``[B, H, L, D * bits / 8]`` uint8 packed key / value codes of logical slots ``[0, L)``.
         ks, kz, vs, vz: ``[B, H, L, D / group]`` float16 steps and minima.
         kf: ``[B, H, D]`` float32 key channel factors (1 until the row's first quantization).
-        fp_k, fp_v: ``[B, H, P + buffer, D]`` model dtype: the guard's full-precision entries, then the recent ones.
+        fp_k, fp_v: ``[B, H, P + R + buffer, D]`` model dtype: the guard's full-precision entries, then the recent
+            ones.
         qmask: ``[B, H, L]`` bool, logical slots stored quantized.
         protected: ``[B, H, P]`` int64 logical slot of each full-precision entry of the guard (unused: the row's
             quantization limit).
@@ -140,7 +143,7 @@ class QuantizedStorage:
     def _sizes(self, capacity: int) -> tuple[int, int]:
         """``(L, P)``: quantized slots and guard full-precision slots for ``capacity`` logical slots."""
         c = self.config
-        lim = capacity - c.buffer if c.policy.evicts else capacity
+        lim = max((capacity - c.buffer if c.policy.evicts else capacity) - c.kv_window, 0)
         if c.protect_precision != "guard":
             return lim, 0
         share_of = self.budget if c.policy.evicts else lim
@@ -158,8 +161,9 @@ class QuantizedStorage:
         self.ks, self.kz = (torch.zeros((b, h, lim, d // group), dtype=quant.SCALE_DTYPE, device=dev) for _ in "sz")
         self.vs, self.vz = (torch.zeros((b, h, lim, v_dim // group), dtype=quant.SCALE_DTYPE, device=dev) for _ in "sz")
         self.kf = torch.ones((b, h, d), dtype=torch.float32, device=dev)
-        self.fp_k = torch.zeros((b, h, p + c.buffer, d), dtype=dtype, device=dev)
-        self.fp_v = torch.zeros((b, h, p + c.buffer, v_dim), dtype=dtype, device=dev)
+        recent = c.kv_window + c.buffer  # the most recent tokens a row holds above its quantization limit
+        self.fp_k = torch.zeros((b, h, p + recent, d), dtype=dtype, device=dev)
+        self.fp_v = torch.zeros((b, h, p + recent, v_dim), dtype=dtype, device=dev)
         self.qmask = torch.zeros((b, h, lim), dtype=torch.bool, device=dev)
         self.protected = torch.zeros((b, h, p), dtype=torch.long, device=dev)
         self._factor_set = [False] * b

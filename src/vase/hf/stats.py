@@ -41,6 +41,7 @@ class CacheStats:
             float16 steps and minima, the key channel factors and the full-precision store (the guard's entries and
             the recent tokens); entry positions and scorer state are not counted, with or without ``kv_bits``.
         kv_group: channels per quantization group.
+        kv_window: the newest tokens held in full precision (``kv_window``; 0: the recent buffer only).
         bytes_workspace: the dequantization workspace (one layer's entries in the model's dtype, shared by all
             layers; not in ``bytes_held``: a fused attention kernel would not need it).
         dequant_seconds: wall time spent dequantizing entries for attention (seconds).
@@ -68,6 +69,7 @@ class CacheStats:
     bytes_live: int = 0
     kv_bits: int | None = None
     kv_group: int = 32
+    kv_window: int = 0
     bytes_workspace: int = 0
     dequant_seconds: float = 0.0
     quant_seconds: float = 0.0
@@ -104,6 +106,8 @@ class CacheStats:
         seqs = f"{self.batch} sequence" + ("s" if self.batch != 1 else "")
         each = " each" if self.batch > 1 else ""
         kv = f", {self.kv_bits}-bit KV (groups of {self.kv_group})" if self.kv_bits is not None else ""
+        if self.kv_bits is not None and self.kv_window:
+            kv += f", newest {self.kv_window} in full precision"
         evictions = "evictions" if self.batch <= 1 else "eviction steps"  # a step where any sequence evicted
         return (
             f"policy {self.policy}, budget {self.budget} + buffer {self.buffer}{kv} | {seqs}, {self.tokens_seen} "

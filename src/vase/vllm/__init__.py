@@ -24,7 +24,10 @@ Importing this package does not import vLLM (the entry point runs in processes t
 
 from __future__ import annotations
 
-from .settings import REQUEST_FIELDS, SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
+import json
+import os
+
+from .settings import REQUEST_FIELDS, SCHEDULER_CLS, SPEC_ENV, WORKER_CLS, VaseConfigError, parse
 
 _registered = False
 
@@ -53,6 +56,8 @@ def engine_args(
     window: int | None = None,
     compress_prompt: bool | None = None,
     admission: str = "reserve",
+    max_budget: int | None = None,
+    allow_full: bool = False,
     block_size: int = 32,
     **policy_options,
 ) -> dict:
@@ -64,16 +69,20 @@ def engine_args(
         budget, buffer, sinks, window, compress_prompt: as :meth:`vase.core.config.VaseConfig.resolve` (tokens per
             request, layer and KV head; None: vase's defaults, budget 1024, buffer 64, sinks 4).
         admission: ``'reserve'`` (a request gets its capped blocks when admitted) or ``'grow'`` (as it grows).
+        max_budget: the largest budget a request may ask for with ``extra_args={"vase_budget": b}`` (default: the
+            budget; the per-slot tables are sized for it).
+        allow_full: whether a request may ask for the full cache (``{"vase_budget": "full"}``).
         block_size: tokens per KV block, a multiple of 32 (the CPU kernel's rule).
         **policy_options: options of the policy (``selector='sample'``, ``guard='range'``, ...).
 
     Returns:
         ``{"additional_config": {"vase": {...}}, "scheduler_cls": ..., "worker_cls": ..., "enable_prefix_caching":
         False, "block_size": block_size, "logits_processors": [...]}`` (the last checks each request's vase fields
-        at admission, :mod:`vase.vllm.requests`: a bad ``vase_seed`` fails that request alone). Chunked prefill
-        stays vLLM's choice: a prompt split into chunks is compressed per chunk (pass ``enable_chunked_prefill=False``
-        and ``max_num_batched_tokens >= max_model_len`` for the whole prompt attended at once, exactly as vase on
-        transformers).
+        at admission, :mod:`vase.vllm.requests`: a bad ``vase_seed`` or ``vase_budget`` fails that request alone);
+        the configuration also goes to the environment variable ``VASE_ENGINE_SPEC``, where that check reads the
+        engine's limits. Chunked prefill stays vLLM's choice: a prompt split into chunks is compressed per chunk
+        (pass ``enable_chunked_prefill=False`` and ``max_num_batched_tokens >= max_model_len`` for the whole prompt
+        attended at once, exactly as vase on transformers).
 
     Raises:
         VaseConfigError: the configuration is refused (checked here, before any engine starts; the engine rules are
@@ -86,7 +95,12 @@ def engine_args(
     if compress_prompt is not None:
         spec["compress_prompt"] = compress_prompt
     spec["admission"] = admission
+    if max_budget is not None:
+        spec["max_budget"] = max_budget
+    if allow_full:
+        spec["allow_full"] = True
     parse(spec)  # the configuration's own errors, now
+    os.environ[SPEC_ENV] = json.dumps(spec)  # the front end checks each request's vase_budget against it
     return {
         "additional_config": {"vase": spec},
         "scheduler_cls": SCHEDULER_CLS,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.evict import gather_kept
+from ..core.sequence import budget_groups
 from .paged import gather, write_front
 from .state import PagedStep, WorkerState
 
@@ -77,8 +78,14 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
 
 
 def evict_rows(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale: float, kv_cache_dtype: str) -> None:
-    """Compact the evicting rows of the step in layer ``li`` (see the module docstring)."""
-    ev = list(plan.schedule.evict)
+    """Compact the evicting rows of the step in layer ``li`` (see the module docstring): one eviction per budget
+    among them (requests with budgets of their own, ``vase_budget``)."""
+    for group in budget_groups(plan.schedule, list(plan.schedule.evict), ws.seq.schedule):
+        _evict_group(ws, li, layer, kv_cache, plan, dense, scale, kv_cache_dtype, group)
+
+
+def _evict_group(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale, kv_cache_dtype, ev: list[int]) -> None:
+    """Compact the rows ``ev`` (batch rows sharing a budget) in layer ``li``."""
     rows = plan.rows[torch.tensor(ev, dtype=torch.long)]
     lengths = [int(plan.fill_before[r] + plan.n[r]) for r in ev]
     b, s = len(ev), max(lengths)

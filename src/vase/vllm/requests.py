@@ -6,7 +6,9 @@ for every request at admission and answers a ``ValueError`` with HTTP 400 naming
 changes no logits. :func:`vase.vllm.engine_args` and ``python -m vase.vllm.serve`` register it. A request with a
 bad value then fails alone with an error naming the field; the engine and the other requests go on.
 
-Fields: ``vase_seed`` (an integer in ``[0, 2**63)``: the seed of the request's sampled eviction). Any other key
+Fields: ``vase_seed`` (an integer in ``[0, 2**63)``: the seed of the request's sampled eviction) and
+``vase_budget`` (the request's own budget, at most the engine's ``max_budget``, or ``"full"`` where the engine
+allows it), checked against the engine's configuration (:func:`vase.vllm.settings.front_end_settings`). Any other key
 starting with ``vase_`` is refused (a misspelt field would otherwise be ignored silently).
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from .settings import check_fields
+from .settings import check_fields, front_end_settings
 
 
 class VaseRequestFields(LogitsProcessor):
@@ -24,7 +26,7 @@ class VaseRequestFields(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        check_fields(getattr(sampling_params, "extra_args", None))
+        check_fields(getattr(sampling_params, "extra_args", None), front_end_settings())
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         pass

@@ -10,6 +10,8 @@ stop conditions); only the blocks follow the physical bound ``budget + buffer``.
   ``vase:preset=paper``) it follows the prompt until the request's first eviction, after which the blocks past the
   steady cap are returned to the pool (swapped for the null block in place, as vLLM frees a sliding window's blocks,
   so the request's block list keeps its length).
+* A request with its own budget (``vase_budget``, :func:`vase.vllm.state.request_budget`) has the cap of that
+  budget; one served with the full cache (``vase_budget="full"``) has its whole length as its cap, as plain vLLM.
 * Admission ``reserve`` (default): a request is given all the blocks it may ever hold (its cap, or fewer if its prompt
   + ``max_tokens`` need fewer) when it is admitted; vLLM's admission gate then admits it only if they are free, and it
   is never preempted for memory. ``grow``: blocks are added as the request grows, up to its cap, as vLLM does.
@@ -28,6 +30,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from . import metrics
 from .settings import EngineSettings, settings_from
+from .state import request_budget
 
 logger = init_logger("vllm.plugins.vase")
 
@@ -36,7 +39,8 @@ class CappedFullAttentionManager(FullAttentionManager):
     """A ``FullAttentionManager`` that allocates a request at most its cap (see the module docstring).
 
     Set by :class:`VaseScheduler` (never constructed): ``vase`` (the settings), ``vase_caps`` (request id -> cap in
-    tokens), ``vase_first`` (request id -> fill of its first eviction, for dense prompts), ``vase_stats``.
+    tokens), ``vase_first`` (request id -> fill of its first eviction and its steady cap in blocks, for dense
+    prompts), ``vase_stats``.
     """
 
     vase: EngineSettings
@@ -70,11 +74,12 @@ class CappedFullAttentionManager(FullAttentionManager):
         """After the first eviction of a request with a dense prompt, return its blocks past the steady cap."""
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         first = self.vase_first.get(request_id)
-        if first is None or processed_computed_tokens < first:
+        if first is None or processed_computed_tokens < first[0]:
             return
         del self.vase_first[request_id]
-        self.vase_caps[request_id] = self.vase.cap_tokens
-        self._remove_blocks_in_range(request_id, self.vase.cap_blocks, len(self.req_to_blocks.get(request_id, ())))
+        steady = first[1]
+        self.vase_caps[request_id] = steady * self.block_size
+        self._remove_blocks_in_range(request_id, steady, len(self.req_to_blocks.get(request_id, ())))
         self.vase_stats["trimmed"] += 1
 
     def free(self, request_id: str) -> None:
@@ -129,13 +134,15 @@ class VaseScheduler(Scheduler):
     def add_request(self, request) -> None:
         if self._vase_managers:
             s = self.vase
+            budget = request_budget(s, request.request_id, request.sampling_params)
             max_len = min(self.max_model_len, request.num_prompt_tokens + max(int(request.max_tokens or 0), 1))
-            cap = s.request_cap_tokens(request.num_prompt_tokens, max_len)
-            first = s.first_eviction(request.num_prompt_tokens)
+            cap = s.request_cap_tokens(request.num_prompt_tokens, max_len, budget)
             for m in self._vase_managers:
                 m.vase_caps[request.request_id] = cap
-                if cap > s.cap_tokens:  # a dense prompt: its blocks past the steady cap go after its first eviction
-                    m.vase_first[request.request_id] = first
+                # a dense prompt: its blocks past the steady cap go after its first eviction
+                if budget is not None and cap > s.cap_blocks_for(budget) * s.block_size:
+                    first = s.first_eviction(request.num_prompt_tokens, budget)
+                    m.vase_first[request.request_id] = (first, s.cap_blocks_for(budget))
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):

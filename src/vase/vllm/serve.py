@@ -21,7 +21,7 @@ import runpy
 import sys
 import tempfile
 
-from .settings import REQUEST_FIELDS, SCHEDULER_CLS, WORKER_CLS, VaseConfigError, parse
+from .settings import REQUEST_FIELDS, SCHEDULER_CLS, SPEC_ENV, WORKER_CLS, VaseConfigError, parse
 
 USAGE = "usage: python -m vase.vllm.serve MODEL [vLLM flags] --vase SPEC   (e.g. --vase vase:budget=256:buffer=64)"
 
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print("[vase] python -m vllm.entrypoints.openai.api_server " + " ".join(args), file=sys.stderr, flush=True)
+    extra = json.loads(args[args.index("--additional-config") + 1])
+    os.environ[SPEC_ENV] = json.dumps(extra["vase"])  # the front end checks each request's vase_budget against it
     # before prometheus_client is imported here or in the engine core it spawns: it picks its mode at import
     metrics_dir = None
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:

@@ -13,7 +13,16 @@ The sizes (``budget``, ``buffer``, ``sinks``, ``window``, ``compress_prompt``) a
 :meth:`vase.core.config.VaseConfig.resolve`, so they mean what they mean on the command line and fail with the same
 errors. The engine keys are ``admission`` (``"reserve"``, the default: a request gets all its capped blocks when it
 is admitted, so it is never preempted for memory; ``"grow"``: blocks are added as it grows, up to the cap, as vLLM
-does) and nothing else.
+does), and the limits of per-request budgets: ``max_budget`` (the largest budget a request may ask for, tokens;
+default: the budget) and ``allow_full`` (whether a request may ask for the full cache; default false).
+
+**Per-request fields** (``SamplingParams.extra_args``, the OpenAI server's ``vllm_xargs``; :func:`check_fields`):
+``vase_seed`` (the seed of the request's sampled eviction) and ``vase_budget`` (the request's own budget, an integer
+within the budget rules and at most ``max_budget``, or ``"full"`` where ``allow_full``: no eviction, blocks as
+plain vLLM's). The front end checks them against the limits the engine was started with
+(:func:`front_end_settings`: :func:`vase.vllm.engine_args` and ``python -m vase.vllm.serve`` put the configuration
+in the environment variable :data:`SPEC_ENV`), so a request over the limit is refused with a 400 before the engine
+sees it.
 
 :func:`settings_from` then checks the rules the engine must follow (block size, prefix caching, speculative
 decoding, parallelism, the model's layer kinds, the plugin's scheduler and worker classes) and raises one
@@ -22,7 +31,10 @@ decoding, parallelism, the model's layer kinds, the plugin's scheduler and worke
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 from dataclasses import dataclass
 
 from ..core.config import VaseConfig
@@ -34,6 +46,7 @@ WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
 REQUEST_FIELDS = "vase.vllm.requests:VaseRequestFields"  # a logits processor that only validates (vase.vllm.requests)
 BLOCK_MULTIPLE = 32  # the CPU attention kernel's block sizes: MultipleOf(32) (cpu_attn.py)
 SIZE_KEYS = ("budget", "buffer", "sinks", "window", "compress_prompt")
+SPEC_ENV = "VASE_ENGINE_SPEC"  # the engine's vase configuration (JSON), for the front end's request check
 ADMISSIONS = ("reserve", "grow")
 # options of other entry points that a serving engine cannot take, with the reason given in the error
 REFUSED_KEYS = {
@@ -46,17 +59,20 @@ REFUSED_KEYS = {
 }
 
 
-REQUEST_FIELD_NAMES = ("vase_seed",)
+REQUEST_FIELD_NAMES = ("vase_seed", "vase_budget")
 SEED_LIMIT = 2**63
+FULL = "full"  # vase_budget: the full cache for this request
 
 
-def check_fields(extra_args: dict | None) -> None:
+def check_fields(extra_args: dict | None, settings: EngineSettings | None = None) -> None:
     """The vase fields of one request's ``extra_args`` (the OpenAI server's ``vllm_xargs``): ``vase_seed``, an
-    integer in ``[0, 2**63)``; any other key starting with ``vase_`` is refused (a misspelt field would otherwise be
-    ignored silently).
+    integer in ``[0, 2**63)``; ``vase_budget``, an integer or ``"full"``, checked against the engine's limits when
+    ``settings`` are known (:meth:`EngineSettings.request_budget`); any other key starting with ``vase_`` is refused
+    (a misspelt field would otherwise be ignored silently).
 
     Raises:
-        ValueError: an unknown ``vase_*`` key, or a ``vase_seed`` that is not such an integer.
+        ValueError: an unknown ``vase_*`` key, a ``vase_seed`` that is not such an integer, a ``vase_budget`` that is
+            neither an integer nor ``"full"`` or (with ``settings``) outside the engine's limits.
     """
     extra = extra_args or {}
     unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("vase_") and k not in REQUEST_FIELD_NAMES)
@@ -68,6 +84,29 @@ def check_fields(extra_args: dict | None) -> None:
     seed = extra.get("vase_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
         raise ValueError(f"vase_seed must be an integer in [0, 2**63), got {seed!r}")
+    budget = extra.get("vase_budget")
+    if budget is not None and budget != FULL and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise ValueError(f"vase_budget must be an integer number of tokens or 'full', got {budget!r}")
+    if settings is not None:
+        settings.request_budget(extra)
+
+
+@functools.lru_cache(maxsize=4)
+def _settings_of(raw_json: str) -> EngineSettings:
+    config, engine = parse(json.loads(raw_json))
+    return EngineSettings(config=config, block_size=BLOCK_MULTIPLE, **engine)
+
+
+def front_end_settings() -> EngineSettings | None:
+    """The engine's settings as the front end knows them (from :data:`SPEC_ENV`), or None when it is not set (an
+    engine configured by hand: the engine then falls back to its budget for a request over the limits)."""
+    raw = os.environ.get(SPEC_ENV)
+    if not raw:
+        return None
+    try:
+        return _settings_of(raw)
+    except (ValueError, TypeError):
+        return None
 
 
 class VaseConfigError(ValueError):
@@ -83,12 +122,16 @@ class EngineSettings:
         config: the :class:`vase.core.config.VaseConfig` (policy, budget, buffer, sinks, window, recent, prompt).
         block_size: tokens per KV block (the engine's ``cache_config.block_size``).
         admission: ``'reserve'`` or ``'grow'`` (see the module docstring).
+        max_budget: the largest budget a request may ask for (``vase_budget``; None: the budget).
+        allow_full: whether a request may ask for the full cache (``vase_budget="full"``).
         spec: the configuration as given (for logs).
     """
 
     config: VaseConfig
     block_size: int
     admission: str = "reserve"
+    max_budget: int | None = None
+    allow_full: bool = False
     spec: str = ""
 
     @property
@@ -108,37 +151,95 @@ class EngineSettings:
     @property
     def cap_blocks(self) -> int:
         """KV blocks a request holds at most (with a compressed prompt): ``ceil((budget + buffer) / block_size)``."""
-        return math.ceil(self.limit / self.block_size)
+        return self.cap_blocks_for(self.config.budget)
 
     @property
     def cap_tokens(self) -> int:
-        """Token slots of :attr:`cap_blocks` blocks (the width of the per-slot tables)."""
+        """Token slots of :attr:`cap_blocks` blocks."""
         return self.cap_blocks * self.block_size
 
-    def first_eviction(self, prompt_tokens: int) -> int:
+    @property
+    def largest_budget(self) -> int:
+        """The largest budget a request may hold: ``max_budget``, else the budget."""
+        return self.config.budget if self.max_budget is None else self.max_budget
+
+    @property
+    def table_tokens(self) -> int:
+        """Width of the per-slot tables: the cap of :attr:`largest_budget` in whole blocks."""
+        return self.cap_blocks_for(self.largest_budget) * self.block_size
+
+    def cap_blocks_for(self, budget: int) -> int:
+        """KV blocks a request of budget ``budget`` holds at most: ``ceil((budget + buffer) / block_size)``."""
+        return math.ceil((budget + self.config.buffer) / self.block_size)
+
+    def request_budget(self, extra_args: dict | None) -> int | None:
+        """The budget a request asks for (``vase_budget``): the engine's budget when it asks for none, None for the
+        full cache (no eviction).
+
+        Raises:
+            ValueError: ``vase_budget`` over ``max_budget``, ``"full"`` without ``allow_full``, or a budget the
+                configuration's rules refuse (:meth:`vase.core.config.VaseConfig.with_budget`), naming the field.
+        """
+        value = (extra_args or {}).get("vase_budget")
+        if value is None:
+            return self.config.budget
+        if value == FULL:
+            if not self.allow_full:
+                raise ValueError("vase_budget 'full' is not allowed by this engine (start it with allow_full=true)")
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"vase_budget must be an integer number of tokens or 'full', got {value!r}")
+        if value > self.largest_budget:
+            raise ValueError(
+                f"vase_budget {value} is above this engine's max_budget {self.largest_budget} (the blocks it reserved "
+                "per request)"
+            )
+        try:
+            self.config.with_budget(value)
+        except ValueError as exc:
+            raise ValueError(f"vase_budget {value}: {exc}") from None
+        return value
+
+    def first_eviction(self, prompt_tokens: int, budget: int | None = -1) -> int:
         """Fill at which a request whose prompt has ``prompt_tokens`` tokens first evicts: the sequence model's
         :func:`vase.core.schedule.first_limit` (``budget + buffer``, or with a dense prompt, ``compress_prompt=False``
-        as ``vase:preset=paper``, the first multiple of the buffer above the prompt, at least ``budget + buffer``)."""
+        as ``vase:preset=paper``, the first multiple of the buffer above the prompt, at least ``budget + buffer``);
+        ``budget``: the request's (None: it never evicts; default: the engine's)."""
         c = self.config
+        own = c.budget if budget == -1 else budget
         return first_limit(
-            prompt_tokens, budget=c.budget, buffer=c.buffer, evicts=c.policy.evicts, compress_prompt=c.compress_prompt
+            prompt_tokens,
+            budget=c.budget if own is None else own,
+            buffer=c.buffer,
+            evicts=c.policy.evicts and own is not None,
+            compress_prompt=c.compress_prompt,
         )
 
-    def request_cap_tokens(self, prompt_tokens: int, max_len: int) -> int:
-        """Token slots (whole blocks) a request may hold: the cap, or with a dense prompt its first limit; never more
-        than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block."""
-        need = max(self.limit, self.first_eviction(prompt_tokens))
+    def request_cap_tokens(self, prompt_tokens: int, max_len: int, budget: int | None = -1) -> int:
+        """Token slots (whole blocks) a request may hold: the cap of its budget (default: the engine's), or with a
+        dense prompt its first limit, or for a request without eviction (``budget`` None) its whole length; never
+        more than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block."""
         bs = self.block_size
-        return min(math.ceil(need / bs), math.ceil(max(max_len, 1) / bs)) * bs
+        whole = math.ceil(max(max_len, 1) / bs)
+        if budget is None:
+            return whole * bs
+        own = self.config.budget if budget == -1 else budget
+        need = max(own + self.config.buffer, self.first_eviction(prompt_tokens, own))
+        return min(math.ceil(need / bs), whole) * bs
 
     def describe(self) -> str:
         """One line for the engine log."""
         c = self.config
         prompt = "compressed at prefill" if c.compress_prompt else "dense until the first eviction"
+        own = ""
+        if self.max_budget is not None or self.allow_full:
+            own = f"; a request may ask for a budget up to {self.largest_budget}" + (
+                " or full" if self.allow_full else ""
+            )
         return (
             f"{c.policy.name} (budget {c.budget}, buffer {c.buffer}, sinks {c.sinks}, window {c.window}, prompt "
             f"{prompt}): at most {self.cap_blocks} blocks of {self.block_size} tokens per request, admission "
-            f"{self.admission}"
+            f"{self.admission}{own}"
         )
 
 
@@ -153,12 +254,14 @@ def _as_bool(value, key: str) -> bool:
     raise VaseConfigError(f"vase: {key} must be true or false, got {value!r}")
 
 
-def parse(raw) -> tuple[VaseConfig, str]:
-    """The :class:`VaseConfig` and the admission mode of a configuration (string or dict, see the module docstring).
+def parse(raw) -> tuple[VaseConfig, dict]:
+    """The :class:`VaseConfig` and the engine keys of a configuration (string or dict, see the module docstring):
+    ``{"admission": ..., "max_budget": ..., "allow_full": ...}``.
 
     Raises:
         VaseConfigError: a value that is neither a string nor a dict, an option a serving engine cannot take (a
-            ratio, compile, a seed), an unknown admission mode, or any error of
+            ratio, compile, a seed), an unknown admission mode, a ``max_budget`` below the budget or refused by the
+            budget rules, or any error of
             :meth:`vase.core.config.VaseConfig.resolve` (unknown policy or option, sizes out of range, the published
             preset's rules), prefixed with ``vase:``.
     """
@@ -183,6 +286,8 @@ def parse(raw) -> tuple[VaseConfig, str]:
     admission = str(options.pop("admission", "reserve"))
     if admission not in ADMISSIONS:
         raise VaseConfigError(f"vase: admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+    max_budget = options.pop("max_budget", None)
+    allow_full = _as_bool(options.pop("allow_full", False), "allow_full")
     sizes = {k: options.pop(k) for k in SIZE_KEYS if k in options}
     if "compress_prompt" in sizes:
         sizes["compress_prompt"] = _as_bool(sizes["compress_prompt"], "compress_prompt")
@@ -190,7 +295,17 @@ def parse(raw) -> tuple[VaseConfig, str]:
         config = VaseConfig.resolve(name, **sizes, **options)
     except ValueError as exc:
         raise VaseConfigError(f"vase: {exc}") from None
-    return config, admission
+    if max_budget is not None:
+        if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < config.budget:
+            raise VaseConfigError(
+                f"vase: max_budget must be an integer number of tokens at least the budget ({config.budget}), got "
+                f"{max_budget!r}"
+            )
+        try:
+            config.with_budget(max_budget)
+        except ValueError as exc:
+            raise VaseConfigError(f"vase: max_budget {max_budget}: {exc}") from None
+    return config, {"admission": admission, "max_budget": max_budget, "allow_full": allow_full}
 
 
 def check_policy(config: VaseConfig) -> list[str]:
@@ -270,9 +385,9 @@ def settings_from(vllm_config) -> EngineSettings | None:
     raw = extra.get("vase") if isinstance(extra, dict) else None
     if raw is None:
         return None
-    config, admission = parse(raw)
+    config, engine = parse(raw)
     settings = EngineSettings(
-        config=config, block_size=int(vllm_config.cache_config.block_size or 0), admission=admission, spec=str(raw)
+        config=config, block_size=int(vllm_config.cache_config.block_size or 0), spec=str(raw), **engine
     )
     problems = check_policy(config)  # quest and kv_bits never evict but are refused all the same
     if settings.evicts:

@@ -3,9 +3,11 @@
 One :class:`WorkerState` per worker process, created by the worker when vase is configured. Each running request
 has a row of the sequence model (:class:`vase.core.sequence.Sequences`: its schedule, its slot tables per layer and KV
 head, its saved queries, its random key), taken from a pool of rows grown by doubling up to ``max_num_seqs`` and
-never shrunk. The tables are as wide as the steady cap (``budget + buffer`` in whole blocks): before a request's first
-eviction slot ``i`` holds position ``i`` (nothing was moved yet), so a dense prompt holding more needs no wider table
-(:meth:`vase.core.tables.RowTables.held`).
+never shrunk. The tables are as wide as the steady cap of the largest budget a request may ask for (``max_budget +
+buffer`` in whole blocks): before a request's first eviction slot ``i`` holds position ``i`` (nothing was moved yet),
+so a dense prompt holding more needs no wider table (:meth:`vase.core.tables.RowTables.held`). A request's own budget
+(``vase_budget``, :func:`request_budget`) is its row's budget in the sequence model; a request served with the full
+cache has a row that never evicts.
 
 The scheduler and the worker share no data at run time: the worker reproduces each request's physical fill from the
 token counts it is given each step (the schedule's ``fill += n``; a fill reaching the limit becomes ``budget``).
@@ -41,6 +43,17 @@ def child_index(req_id: str) -> int:
     start with digits and an underscore; a request id of one's own that does is read as a child's."""
     m = _CHILD_ID.match(req_id)
     return int(m.group(1)) if m else 0
+
+
+def request_budget(settings: EngineSettings, req_id: str, sampling_params) -> int | None:
+    """A request's budget (:meth:`vase.vllm.settings.EngineSettings.request_budget`; None: the full cache), the same
+    in the scheduler and the worker. A request over the engine's limits (refused by the front end's check; an engine
+    started without it goes on) gets the engine's budget, logged."""
+    try:
+        return settings.request_budget(getattr(sampling_params, "extra_args", None))
+    except ValueError as exc:
+        logger.warning("vase: request %s: %s (served with the engine's budget)", req_id, exc)
+        return settings.budget
 
 
 def eviction_seed(req_id: str, sampling_params) -> int:
@@ -158,7 +171,7 @@ class WorkerState:
             if seq.tables.allocated(layer):
                 seq.tables.grow(layer, rows=capacity)
             else:
-                seq.tables.allocate(layer, capacity, h, self.s.cap_tokens, "cpu")
+                seq.tables.allocate(layer, capacity, h, self.s.table_tokens, "cpu")
         seq.schedule.resize(capacity)
         seq.tables.reserve(capacity)
         if seq.ring is not None:
@@ -176,14 +189,15 @@ class WorkerState:
         """A request (new, or resumed after a preemption: recomputed from its first token) gets a fresh row.
 
         Its seed: :func:`eviction_seed` (``vase_seed``, else ``SamplingParams.seed``, else 0; the children of an
-        ``n > 1`` request draw apart).
+        ``n > 1`` request draw apart); its budget: :func:`request_budget`.
         """
         self.release(req_id)
         if not self.free_rows:
             self._grow(min(max(self.capacity * 2, 1), max(self.max_reqs, self.capacity + 1)))
         r = self.free_rows.pop()
         self.row_of[req_id] = r
-        self.seq.admit(r, prompt_tokens, eviction_seed(req_id, sampling_params))
+        budget = request_budget(self.s, req_id, sampling_params)
+        self.seq.admit(r, prompt_tokens, eviction_seed(req_id, sampling_params), budget, evicts=budget is not None)
         self.stats["admitted"] += 1
         self.stats["live_max"] = max(self.stats["live_max"], len(self.row_of))
 

@@ -59,8 +59,9 @@ class VaseCPUModelRunner(CPUModelRunner):
 
     def get_kv_cache_spec(self):
         specs = super().get_kv_cache_spec()
-        cap = self.vase_state.s.cap_tokens
-        if not self.vase_state.s.config.compress_prompt:  # a dense prompt: a request may hold up to the model length
+        settings = self.vase_state.s
+        cap = settings.table_tokens  # the largest cap a request may ask for
+        if not settings.config.compress_prompt or settings.allow_full:  # a request may hold up to the model length
             cap = 0
         out = {}
         for name, spec in specs.items():
@@ -155,7 +156,7 @@ class VaseCPUModelRunner(CPUModelRunner):
         logical = logical_before[tok_row] + j
         # the logical position of each token written in place, in every layer (compaction then moves each layer's
         # own copy); slots past the tables' width belong to a dense prompt not yet evicted (position = slot)
-        put = ~dense_tok & (phys < s.s.cap_tokens)
+        put = ~dense_tok & (phys < s.s.table_tokens)
         if put.any():
             put_rows = torch.from_numpy(rows[tok_row[put]])
             put_slots, put_pos = torch.from_numpy(phys[put]), torch.from_numpy(logical[put])
