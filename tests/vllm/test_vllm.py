@@ -83,7 +83,7 @@ def test_request_budgets_within_the_engine_limits():
     s = EngineSettings(cfg, block_size=32, **engine)
     assert [s.request_budget(x) for x in (None, {"vase_budget": 96}, {"vase_budget": "full"})] == [48, 96, None]
     assert (s.cap_tokens, s.table_tokens) == (64, 128)
-    assert s.request_cap_tokens(10, 400, 96) == 128 and s.request_cap_tokens(10, 400, None) == 416
+    assert s.request_cap_tokens(10, 400, 96) == 128 and s.request_cap_tokens(10, 400, full=True) == 416
     assert s.request_cap_tokens(10, 400) == 64 and s.first_eviction(10, 96) == 112
     for bad, words in [
         ({"vase_budget": 200}, "vase_budget 200 is above this engine's max_budget 112"),

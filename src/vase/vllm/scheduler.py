@@ -136,7 +136,7 @@ class VaseScheduler(Scheduler):
             s = self.vase
             budget = request_budget(s, request.request_id, request.sampling_params)
             max_len = min(self.max_model_len, request.num_prompt_tokens + max(int(request.max_tokens or 0), 1))
-            cap = s.request_cap_tokens(request.num_prompt_tokens, max_len, budget)
+            cap = s.request_cap_tokens(request.num_prompt_tokens, max_len, budget, full=budget is None)
             for m in self._vase_managers:
                 m.vase_caps[request.request_id] = cap
                 # a dense prompt: its blocks past the steady cap go after its first eviction

@@ -85,10 +85,15 @@ def check_fields(extra_args: dict | None, settings: EngineSettings | None = None
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
         raise ValueError(f"vase_seed must be an integer in [0, 2**63), got {seed!r}")
     budget = extra.get("vase_budget")
-    if budget is not None and budget != FULL and (isinstance(budget, bool) or not isinstance(budget, int)):
-        raise ValueError(f"vase_budget must be an integer number of tokens or 'full', got {budget!r}")
+    if budget is not None and budget != FULL:
+        _check_budget_type(budget)
     if settings is not None:
         settings.request_budget(extra)
+
+
+def _check_budget_type(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"vase_budget must be an integer number of tokens or 'full', got {value!r}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -187,8 +192,7 @@ class EngineSettings:
             if not self.allow_full:
                 raise ValueError("vase_budget 'full' is not allowed by this engine (start it with allow_full=true)")
             return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"vase_budget must be an integer number of tokens or 'full', got {value!r}")
+        _check_budget_type(value)
         if value > self.largest_budget:
             raise ValueError(
                 f"vase_budget {value} is above this engine's max_budget {self.largest_budget} (the blocks it reserved "
@@ -200,30 +204,29 @@ class EngineSettings:
             raise ValueError(f"vase_budget {value}: {exc}") from None
         return value
 
-    def first_eviction(self, prompt_tokens: int, budget: int | None = -1) -> int:
+    def first_eviction(self, prompt_tokens: int, budget: int | None = None) -> int:
         """Fill at which a request whose prompt has ``prompt_tokens`` tokens first evicts: the sequence model's
         :func:`vase.core.schedule.first_limit` (``budget + buffer``, or with a dense prompt, ``compress_prompt=False``
         as ``vase:preset=paper``, the first multiple of the buffer above the prompt, at least ``budget + buffer``);
-        ``budget``: the request's (None: it never evicts; default: the engine's)."""
+        ``budget``: the request's (default: the engine's)."""
         c = self.config
-        own = c.budget if budget == -1 else budget
         return first_limit(
             prompt_tokens,
-            budget=c.budget if own is None else own,
+            budget=c.budget if budget is None else budget,
             buffer=c.buffer,
-            evicts=c.policy.evicts and own is not None,
+            evicts=c.policy.evicts,
             compress_prompt=c.compress_prompt,
         )
 
-    def request_cap_tokens(self, prompt_tokens: int, max_len: int, budget: int | None = -1) -> int:
+    def request_cap_tokens(self, prompt_tokens: int, max_len: int, budget: int | None = None, full=False) -> int:
         """Token slots (whole blocks) a request may hold: the cap of its budget (default: the engine's), or with a
-        dense prompt its first limit, or for a request without eviction (``budget`` None) its whole length; never
+        dense prompt its first limit, or for a request served with the full cache (``full``) its whole length; never
         more than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block."""
         bs = self.block_size
         whole = math.ceil(max(max_len, 1) / bs)
-        if budget is None:
+        if full:
             return whole * bs
-        own = self.config.budget if budget == -1 else budget
+        own = self.config.budget if budget is None else budget
         need = max(own + self.config.buffer, self.first_eviction(prompt_tokens, own))
         return min(math.ceil(need / bs), whole) * bs
 
