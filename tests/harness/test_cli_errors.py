@@ -296,6 +296,7 @@ def test_top_help_lists_the_commands():
         "eval",
         "merge",
         "fidelity",
+        "analyze",
         "inspect",
         "report",
         "bench",

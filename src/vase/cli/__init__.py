@@ -1,7 +1,8 @@
-"""The ``vase`` command line: generate, demo, eval, fidelity, inspect, report, bench, policies, convert.
+"""The ``vase`` command line: generate, demo, eval, fidelity, analyze, inspect, report, bench, policies, convert.
 
 One module per concern: :mod:`~vase.cli.common` (errors, shared options, lists), :mod:`~vase.cli.generation`
-(policies, generate, demo), :mod:`~vase.cli.sweeps` (eval, merge, fidelity, report), :mod:`~vase.cli.models`
+(policies, generate, demo), :mod:`~vase.cli.sweeps` (eval, merge, fidelity, report), :mod:`~vase.cli.analysis`
+(analyze), :mod:`~vase.cli.models`
 (inspect, convert) and :mod:`~vase.cli.bench` (the ``bench`` group and its modes). The console script is
 ``vase = "vase.cli:app"``.
 """
@@ -12,12 +13,25 @@ import typer
 from typer.core import TyperGroup
 
 from . import bench
+from .analysis import analyze
 from .common import tidy_help
 from .generation import demo, generate, policies
 from .models import convert, inspect
 from .sweeps import eval_cmd, fidelity, merge, report
 
-ORDER = ["policies", "generate", "demo", "eval", "merge", "fidelity", "inspect", "report", "bench", "convert"]
+ORDER = [
+    "policies",
+    "generate",
+    "demo",
+    "eval",
+    "merge",
+    "fidelity",
+    "analyze",
+    "inspect",
+    "report",
+    "bench",
+    "convert",
+]
 
 
 class Commands(TyperGroup):
@@ -37,7 +51,7 @@ app = typer.Typer(
 for command in (policies, generate, demo):
     app.command()(command)
 app.command("eval")(eval_cmd)
-for command in (merge, fidelity, inspect, report, convert):
+for command in (merge, fidelity, analyze, inspect, report, convert):
     app.command()(command)
 app.add_typer(
     bench.app,

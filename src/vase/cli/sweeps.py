@@ -25,7 +25,12 @@ from .common import (
 @friendly
 def eval_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="results directory (resumes if it exists)"),
-    tasks: str = typer.Option("gsm8k", help="comma-separated task names or JSONL files"),
+    tasks: str = typer.Option(
+        "gsm8k",
+        help="comma-separated task names or JSONL files; synthetic long-context tasks: ruler:NAME@LENGTH (e.g. "
+        "ruler:niah_single@4k; names: niah_single, niah_uuid, niah_multikey, niah_multivalue, niah_multiquery, vt, "
+        "cwe, fwe, niah_decode; 20 problems each unless --limit)",
+    ),
     policies: str = typer.Option("full,streaming_llm,snapkv,rkv,vase", help="comma-separated, or 'all'"),
     budgets: str | None = typer.Option(
         None, help="comma-separated budgets in tokens (give --budgets, --ratios or both: there is no default)"
@@ -35,7 +40,13 @@ def eval_cmd(
     ),
     seeds: str = typer.Option("0", help="comma-separated seeds: k seeds = k samples per problem"),
     limit: int | None = typer.Option(None, help="first N problems of each task"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="tokens generated at most per completion"),
+    max_new_tokens: int = typer.Option(
+        512,
+        "--max-new-tokens",
+        "-n",
+        help="tokens generated at most per completion (synthetic tasks: their own answer length; niah_decode: tokens "
+        "the model writes before it is asked)",
+    ),
     greedy: bool = typer.Option(False, "--greedy", help="greedy decoding (CPU smoke runs)"),
     temperature: float = typer.Option(0.6, help="sampling temperature (reasoning-model default 0.6)"),
     top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling: keep the smallest set of tokens of this mass"),
@@ -96,6 +107,13 @@ def _check_sweep(config, batch_size: int, device: str) -> None:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if config.limit is not None and config.limit < 1:
         raise ValueError(f"--limit must be >= 1 problem, got {config.limit}")
+    from ..harness.ruler import is_ruler, parse_task
+    from ..hf.models import known_context
+
+    context = known_context(config.model)
+    for task in config.tasks:  # a synthetic task's name and length, against the model's context when it is known
+        if is_ruler(task):
+            parse_task(task, context, written=config.max_new_tokens)
     for kind, size in config.sizes():
         check_options(
             policy=config.policies[0],

