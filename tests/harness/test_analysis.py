@@ -124,7 +124,7 @@ def test_analyze_run_on_hand_made_sources(tmp_path):
     assert held[1].sum(-1).tolist() == (pos >= 0).sum(-1).tolist()
     assert held[1, 0].nonzero().flatten().tolist() == sorted(pos[0][pos[0] >= 0].tolist())
     n = len(path.read_text().splitlines())
-    run_analysis(cfg, out, progress=False, lm=lm, eager=eager)
+    run_analysis(cfg.model_copy(update={"prompts": 1}), out, progress=False, lm=lm, eager=eager)  # same run
     assert len(path.read_text().splitlines()) == n == 2
     report = write_report(out, out).read_text()
     assert "### Mechanism at 4x (1 sources)" in report and "| snapkv | 1 |" in report and "| vase | 2 |" in report

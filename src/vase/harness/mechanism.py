@@ -198,10 +198,11 @@ def run_analysis(
     for r in config.ratios:
         if not r > 1:
             raise ValueError(f"compression ratio must be > 1, got {r}")
-    check_same_config(out, config)
+    ident = config.model_copy(update={"prompts": None})  # more sources later extend a run: not its identity
+    check_same_config(out, ident)
     lm = lm or load_model(config.model, dtype=config.dtype, device=device, attn=config.attn)
     eager = eager or load_model(config.model, dtype=config.dtype, device=device, attn="eager")
-    prepare_dir(out, config)
+    prepare_dir(out, ident)
     path = out / RECORDS
     done = {(r["source"], r["policy"], r["ratio"]) for r in read_records(path)}
     grid = [(s, p, r) for s in sources for p in config.policies for r in config.ratios]
