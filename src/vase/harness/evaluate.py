@@ -147,6 +147,15 @@ def repair_tail(path: Path) -> None:
         fh.truncate(data.rfind(b"\n") + 1)
 
 
+def append_records(fh, records: Iterable[dict]) -> None:
+    """Append ``records`` to an open JSONL file, one per line, and force them to disk (an interrupt, even ``kill
+    -9``, then loses nothing written before)."""
+    for rec in records:
+        fh.write(json.dumps(rec) + "\n")
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
 def read_records(path: Path) -> list[dict]:
     """Records of a JSONL file; a truncated last line (interrupted write) is ignored."""
     out = []
@@ -344,6 +353,7 @@ def run_sweep(
             )
             seconds = time.perf_counter() - start
             st = res.stats
+            done_batch = []
             for (_, problem, policy, size, seed), comp in zip(batch, res.completions):
                 answer, correct = grade(comp.text, problem.answer, problem.kind)
                 extra = {}
@@ -375,9 +385,8 @@ def run_sweep(
                     "text": comp.text,
                     **extra,
                 }
-                fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+                done_batch.append(rec)
+            append_records(fh, done_batch)
             bar.update(len(batch))
     bar.close()
     return path

@@ -14,9 +14,7 @@ and text windows): :mod:`vase.harness.traces`.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ from ..core.sizes import check_sizes, ratio_budget
 from ..hf.compat import cache_kwargs
 from ..hf.models import check_load_options, resolve_device, resolve_dtype
 from .data import load_problems
-from .evaluate import RunConfig, check_same_config, prepare_dir, read_records
+from .evaluate import RunConfig, append_records, check_same_config, prepare_dir, read_records
 from .notes import warn
 from .outliers import PlantedValues, full_precision_share, kept_share
 from .traces import SOURCES_FILE, build_sources, text_file, text_sources
@@ -404,9 +402,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                     **scores,
                     **extra,
                 }
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+                append_records(fh, [rec])
                 bar.update(1)
     bar.close()
     return path

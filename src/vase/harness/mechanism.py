@@ -24,9 +24,7 @@ Seeds, layers and KV heads are averaged; the report averages over sources with s
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from pydantic import Field, field_validator
 
 from ..core.config import VaseConfig
 from .analysis import ensemble_kl, hold_stats, key_diversity
-from .evaluate import RunConfig, check_same_config, prepare_dir, read_records
+from .evaluate import RunConfig, append_records, check_same_config, prepare_dir, read_records
 
 RECORDS = "analysis.jsonl"
 DEFAULT_POLICIES = ["snapkv", "snapkv:selector=sample", "vase:selector=topk", "vase", "random", "random:prompt=dense"]
@@ -69,8 +67,9 @@ class AnalyzeConfig(RunConfig):
 def is_sampled(policy: str) -> bool:
     """Whether a policy's selection draws (seeds give different runs) rather than taking the top-k."""
     from ..core.policies import make_policy
+    from ..core.selection import TopK
 
-    return type(make_policy(policy).selector).__name__ != "TopK"
+    return not isinstance(make_policy(policy).selector, TopK)
 
 
 def read_sources(folder: Path, prompts: int | None) -> list[dict]:
@@ -169,7 +168,8 @@ def _settles(overlaps: list[float]) -> float:
     from .analysis import settled_at
 
     clean = [o for o in overlaps if o == o]
-    return float(len(clean) > 1 and settled_at(clean) is not None and settled_at(clean) < len(clean) - 1)
+    at = settled_at(clean)
+    return float(len(clean) > 1 and at is not None and at < len(clean) - 1)
 
 
 def _mean(values) -> float:
@@ -247,9 +247,7 @@ def run_analysis(
                 **_average(got),
                 "seconds": round(time.perf_counter() - start, 2),
             }
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+            append_records(fh, [rec])
             bar.update(1)
     bar.close()
     return path
