@@ -141,6 +141,38 @@ def test_rows_with_budgets_of_their_own():
         assert {0, 1} | set(range(32, 40)) <= kept and len(kept) == want  # the sinks, the recent window, the budget
 
 
+def test_a_row_budget_changes_while_it_runs():
+    """set_budget (a serving engine's elastic budget): a row whose fill is at or past its new limit evicts at its next
+    step to the new budget; a row below it goes on to the new limit; before its first eviction a compressed prompt's
+    limit follows the new budget, a dense prompt's stays above the prompt; rows that never evict, adaptive budgets
+    and quantized storage are refused."""
+    s = Schedule(budget=32, buffer=8, slots=32, evicts=True, compress_prompt=True)
+    for row in range(3):
+        s.admit(row, 4)
+    s.commit(s.plan([0, 1, 2], [38, 20, 4]))  # fills 38, 20, 4: none at its limit 40
+    s.set_budget(0, 16)  # limit 24 <= fill 38: evicts at its next step
+    s.set_budget(1, 24)  # limit 32 > fill 20: not yet
+    assert s.limits() == [24, 32, 40] and s.row_budget[:2] == [16, 24]
+    step = s.plan([0, 1, 2], [1, 1, 1])
+    assert step.evict == [0] and step.keep == [16, 21, 5]
+    s.commit(step)
+    assert s.limits() == [24, 32, 40] and s.tokens_evicted == 39 - 16
+    step = s.plan([0, 1, 2], [8, 11, 1])
+    assert step.evict == [0, 1] and step.keep == [16, 24, 6]
+    dense = Schedule(budget=32, buffer=8, slots=32, evicts=True, compress_prompt=False)
+    dense.admit(0, 50)
+    dense.set_budget(0, 16)
+    assert dense.limit(0) == first_limit(50, budget=16, buffer=8, evicts=True, compress_prompt=False) == 56
+    dense.admit(1, 50, evicts=False)
+    with pytest.raises(ValueError, match="never evicts"):
+        dense.set_budget(1, 16)
+    for kw in ({"slots": 40}, {"quantize": True}):
+        other = Schedule(**{"budget": 32, "buffer": 8, "slots": 32, "evicts": True, "compress_prompt": True, **kw})
+        other.admit(0, 4)
+        with pytest.raises(ValueError, match="uniform budgets, full-precision storage"):
+            other.set_budget(0, 16)
+
+
 # --------------------------------------------------------------------------------------------- tables, ring
 def test_tables_write_kept_and_held():
     t = RowTables([0], ("acc",), {"acc_upto": -1})

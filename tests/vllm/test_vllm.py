@@ -43,6 +43,8 @@ CAP_BLOCKS = 2  # ceil((48 + 16) / 32)
 MATRIX = variants()  # every evicting policy, plain and demanding (tests/policies.py)
 SEEDS = [11, 12, 13]
 EQUAL_EVICTIONS = 3  # a row of the batch may part from vase on transformers after so many (assert_same_tokens)
+ELASTIC_JOIN, ELASTIC_NEW = 30, 160
+PAPER = {"policy": "vase:preset=paper", "budget": 112, "buffer": BUFFER, "sinks": SINKS}  # observation window 16
 TEXTS = [
     "Tell me a story about a fox.",
     "Explain in detail how a bicycle works, including the gears, the brakes and the chain, and why it is efficient.",
@@ -79,7 +81,7 @@ def test_request_budgets_within_the_engine_limits():
     from vase.vllm.state import WorkerState
 
     cfg, engine = parse("streaming_llm:budget=48:buffer=16:sinks=4:max_budget=112:allow_full=true")
-    assert engine == {"admission": "reserve", "max_budget": 112, "allow_full": True}
+    assert engine == {"admission": "elastic", "max_budget": 112, "allow_full": True}
     s = EngineSettings(cfg, block_size=32, **engine)
     assert [s.request_budget(x) for x in (None, {"vase_budget": 96}, {"vase_budget": "full"})] == [48, 96, None]
     assert (s.cap_tokens, s.table_tokens) == (64, 128)
@@ -157,7 +159,7 @@ def test_spec_string_and_dict_resolve_alike():
     b, adm_b = parse({"policy": "snapkv:selector=sample", "budget": 256, "buffer": 32, "sinks": 2})
     assert (a.budget, a.buffer, a.sinks, a.policy.options["selector"]) == (256, 32, 2, "sample")
     assert (b.budget, b.buffer, b.sinks, b.policy.options) == (a.budget, a.buffer, a.sinks, a.policy.options)
-    assert adm_a == adm_b == {"admission": "reserve", "max_budget": None, "allow_full": False}
+    assert adm_a == adm_b == {"admission": "elastic", "max_budget": None, "allow_full": False}
     paper, _ = parse("vase:preset=paper:budget=256:buffer=64")
     assert not paper.compress_prompt and paper.window == 64
 
@@ -189,12 +191,17 @@ def test_engine_args_and_policy_rules():
 
     kw = vase.vllm.engine_args("snapkv", budget=128, buffer=32, selector="sample")
     assert kw["additional_config"] == {
-        "vase": {"policy": "snapkv", "selector": "sample", "budget": 128, "buffer": 32, "admission": "reserve"}
+        "vase": {"policy": "snapkv", "selector": "sample", "budget": 128, "buffer": 32, "admission": "elastic"}
     }
     assert kw["scheduler_cls"] == "vase.vllm.scheduler.VaseScheduler" and kw["enable_prefix_caching"] is False
     assert kw["logits_processors"] == ["vase.vllm.requests:VaseRequestFields"]  # checks each request's fields
     with pytest.raises(vase.vllm.VaseConfigError, match="buffer must be >= 1"):
         vase.vllm.engine_args("vase", budget=128, buffer=0)
+    # prefix caching: on by default for a policy that keeps the prompt dense, refused for one that compresses it
+    assert vase.vllm.engine_args("vase:preset=paper", budget=128, buffer=32)["enable_prefix_caching"] is True
+    assert vase.vllm.engine_args("full")["enable_prefix_caching"] is False
+    with pytest.raises(vase.vllm.VaseConfigError, match="prefix caching needs a policy that keeps the prompt dense"):
+        vase.vllm.engine_args("snapkv", budget=128, prefix_caching=True)
     for spec, words in [
         ("snapkv:head_budget=adakv:budget=128", "one length per request"),
         ("snapkv:layer_budget=pyramid:budget=128", "one length per request"),
@@ -214,6 +221,8 @@ def test_serve_argv_fills_in_the_engine_flags():
     assert "--no-enable-prefix-caching" in argv and argv[argv.index("--block-size") + 1] == "32"
     assert argv[argv.index("--worker-cls") + 1] == "vase.vllm.worker.VaseCPUWorker"
     assert argv[argv.index("--logits-processors") + 1] == "vase.vllm.requests:VaseRequestFields"
+    dense = server_argv(["/m", "--vase", "vase:preset=paper:budget=256"])
+    assert "--no-enable-prefix-caching" not in dense  # vLLM's default, prefix caching on
     with pytest.raises(VaseConfigError, match="--vase SPEC is required"):
         server_argv(["/m"])
     with pytest.raises(VaseConfigError, match="unknown policy"):
@@ -275,6 +284,28 @@ def prompts(hf_model):
     return ids
 
 
+@pytest.fixture(scope="module")
+def prefix_prompts(hf_model):
+    """Three chat prompts of about 300 tokens sharing a system message of about 290 (its first 9 blocks)."""
+    tok = hf_model.tokenizer
+    system = "You are a helpful assistant for a warehouse. " + " ".join(
+        f"Note {i}: shelf {i % 7} holds {i * 13 % 41} boxes of item {i % 5}." for i in range(16)
+    )
+    questions = [
+        "How many boxes are on shelf 3?",
+        "Which item is most common?",
+        "Write a short poem about the warehouse.",
+    ]
+    chats = [
+        tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True,
+            tokenize=False,
+        )
+        for q in questions
+    ]  # fmt: skip
+    return [list(tok.encode(c, add_special_tokens=False)) for c in chats]
+
+
 def _run_script(name: str, job: dict, folder: Path) -> dict:
     (folder / f"{name}.job.json").write_text(json.dumps(job))
     out = folder / f"{name}.json"
@@ -292,7 +323,7 @@ def _run_script(name: str, job: dict, folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def scenarios(model_dir, prompts, tmp_path_factory):
+def scenarios(model_dir, prompts, prefix_prompts, tmp_path_factory):
     """Every scenario script, started now, one at a time in a background thread; ``{name: Future}``."""
     folder = tmp_path_factory.mktemp("vllm")
     model = str(model_dir)
@@ -320,6 +351,26 @@ def scenarios(model_dir, prompts, tmp_path_factory):
             "blocks": 7,
             "abort_step": 15,
         },
+        "elastic": {
+            "model": model,
+            "first": [prompts[0], prompts[1][:30], prompts[2][:25]],
+            "later": [prompts[1][:20], prompts[0][:24], prompts[2][:40]],
+            "join_step": ELASTIC_JOIN,
+            "max_tokens": ELASTIC_NEW,
+            "vase": {"policy": "vase", "budget": 112, "buffer": BUFFER, "sinks": SINKS},
+            "blocks": 13,
+            "admissions": ["elastic", "reserve"],
+        },
+        "prefix": {
+            "model": model,
+            "prompts": prefix_prompts,
+            "join_steps": [0, 1, 40],
+            "max_tokens": 120,
+            "engines": [
+                {"name": name, "vase": {**PAPER, "prefix_caching": pc}, "kw": {"enable_prefix_caching": pc}}
+                for name, pc in (("cached", True), ("uncached", False))
+            ],
+        },
         "badcfg": {"model": model},
     }
     pool = ThreadPoolExecutor(max_workers=1)
@@ -330,11 +381,14 @@ def scenarios(model_dir, prompts, tmp_path_factory):
     pool.shutdown(wait=True)
 
 
-def _greedy_hf(model, prompt: list[int], n: int, **cache_kw) -> tuple[list[int], list[int]]:
+def _greedy_hf(model, prompt: list[int], n: int, changes=(), **cache_kw) -> tuple[list[int], list[int]]:
     """Greedy tokens (end-of-sequence not special, as vLLM's ignore_eos) with an EvictingCache, and the indices of
-    the generated tokens whose forward pass evicted (the prefill's compression counts for token 0)."""
+    the generated tokens whose forward pass evicted (the prefill's compression counts for token 0). ``changes``:
+    ``(outputs, budget)`` pairs: the budget becomes ``budget`` before the step fed with output ``outputs - 1`` (as
+    vLLM's worker applies a shrink before the step of a request that has ``outputs`` outputs)."""
     import vase
 
+    changes = dict(changes)
     cache = vase.EvictingCache(model, **cache_kw)
     out = model(input_ids=torch.tensor([prompt]), **vase.cache_kwargs(cache), use_cache=True)
     gen, evicted_at = [], []
@@ -344,10 +398,14 @@ def _greedy_hf(model, prompt: list[int], n: int, **cache_kw) -> tuple[list[int],
         gen.append(int(out.logits[0, -1].argmax()))
         if len(gen) == n:
             return gen, evicted_at
+        if len(gen) in changes:
+            cache.seq.set_budget(0, changes[len(gen)])
         out = model(input_ids=torch.tensor([[gen[-1]]]), **vase.cache_kwargs(cache), use_cache=True)
 
 
-def assert_same_tokens(got: list[list[int]], ref: list[tuple[list[int], list[int]]], policy: str) -> None:
+def assert_same_tokens(
+    got: list[list[int]], ref: list[tuple[list[int], list[int]]], policy: str, allowed: int | None = None
+) -> None:
     """vLLM's tokens against vase on transformers, row by row: equal for every policy with its defaults; with a
     demanding option set (tests/policies.py), one row of the batch may part after it has come through
     :data:`EQUAL_EVICTIONS` evictions with the same tokens.
@@ -366,7 +424,8 @@ def assert_same_tokens(got: list[list[int]], ref: list[tuple[list[int], list[int
         first = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
         through = sum(1 for t in evicted_at if t < first)
         parted.append((row, first, through))
-    allowed = 0 if policy in evicting_names() else 1
+    if allowed is None:
+        allowed = 0 if policy in evicting_names() else 1
     assert len(parted) <= allowed and all(through >= EQUAL_EVICTIONS for _, _, through in parted), (
         f"{policy}: rows that differ from vase on transformers (row, first differing token, evictions before it): "
         f"{parted}"
@@ -488,7 +547,7 @@ def test_chunked_prefill_compresses_per_chunk_within_the_cap(runs):
 @needs_vllm
 def test_preempted_and_aborted_requests_free_their_blocks(runs):
     res = _result(runs, "lifecycle")
-    for admission in ("grow", "reserve"):
+    for admission in ("grow", "reserve", "elastic"):
         r = res[admission]
         assert r["max_blocks_held"] <= CAP_BLOCKS, admission
         assert r["aborted_holding"] == 0 and r["preempted_holding"] == 0, admission
@@ -498,8 +557,71 @@ def test_preempted_and_aborted_requests_free_their_blocks(runs):
         assert r["worker_rows_after"] <= 1  # only the last short request, heard of one step late
         assert r["stats"]["scheduler"]["max_over_cap"] <= 0
     assert res["grow"]["stats"]["scheduler"]["preemptions"] >= 1 and res["grow"]["preempted_seen"] >= 1
-    assert res["reserve"]["stats"]["scheduler"]["preemptions"] == 0
-    assert res["reserve"]["stats"]["scheduler"]["peak_running"] <= 6 // CAP_BLOCKS
+    for admission in ("reserve", "elastic"):  # budget 48 is its own floor here: elastic admits as reserve does
+        assert res[admission]["stats"]["scheduler"]["preemptions"] == 0
+        assert res[admission]["stats"]["scheduler"]["peak_running"] <= 6 // CAP_BLOCKS
+
+
+@needs_vllm
+def test_elastic_admission_admits_at_once_and_shrinks_the_running(runs, hf_model):
+    """A pool of 12 blocks holds three requests at budget 112 (4 blocks each); three more arrive at step 30. Elastic
+    admission (the default) admits them one step later at budget 48 (2 blocks) and shrinks the running three to 48:
+    their worker evicts them at that step, their blocks past 2 go back to the pool. No request is preempted, none holds
+    more than its cap, every block comes back; each request's tokens are vase on transformers' with the same budget
+    changes at the same tokens. With admission ``reserve`` the three wait until the first three finish."""
+    res = _result(runs, "elastic")
+    el = res["elastic"]
+    for name, arrived in el["arrived"].items():
+        assert el["started"][name] - arrived <= 1, (name, el["started"], el["arrived"])
+    first, later = ("a0", "a1", "a2"), ("b0", "b1", "b2")
+    assert all(el["budgets"][a] == [[0, 112], [ELASTIC_JOIN, 48]] for a in first), el["budgets"]
+    assert all(el["budgets"][b] == [[0, 48]] for b in later), el["budgets"]
+    sched = el["stats"]["scheduler"]
+    assert (sched["shrinks"], sched["admitted_below_budget"], sched["preemptions"]) == (3, 3, 0), sched
+    assert sched["peak_running"] == 6 and sched["max_over_cap"] <= 0 and el["over_cap"] <= 0
+    assert sched["trimmed"] == 3 and el["free_blocks"] == el["pool_blocks"]
+    assert el["stats"]["worker"]["shrunk"] == 3
+    names = sorted(el["prompts"])
+    refs = []
+    with torch.no_grad():
+        for name in names:
+            changes = [tuple(c) for c in el["budgets"][name][1:]]
+            budget = el["budgets"][name][0][1]
+            ref = _greedy_hf(
+                hf_model.model, el["prompts"][name], ELASTIC_NEW, changes, policy="vase", budget=budget, buffer=BUFFER,
+                sinks=SINKS,
+            )  # fmt: skip
+            assert len(ref[1]) >= 4, (name, ref[1])
+            refs.append(ref)
+    # at budget 48 these short prompts make the small model repeat itself: near ties under a value guard (see
+    # assert_same_tokens) may part one row after several equal evictions, with or without elastic admission
+    assert_same_tokens([el["tokens"][n] for n in names], refs, "vase", allowed=1)
+    assert all(el["tokens"][a] == r[0] for a, r in zip(names, refs) if a in first)  # the shrunk ones: exact
+    rs = res["reserve"]
+    assert all(rs["started"][b] >= ELASTIC_NEW - 1 for b in later), rs["started"]  # waited for a whole request
+    assert rs["stats"]["scheduler"]["shrinks"] == 0 and rs["stats"]["scheduler"]["peak_running"] == 3
+
+
+@needs_vllm
+def test_prefix_caching_shares_prompt_blocks_and_changes_no_token(runs, prefix_prompts):
+    """The published preset keeps prompts dense, so prefix caching stays on: three requests sharing a 290-token
+    system message (the second joins one step after the first, the third after both evicted) give exactly the tokens
+    of an engine without prefix caching; the second and third hit the cache up to their prompt less the observation
+    window (those queries score the first eviction), the third on blocks the first two gave back after their first
+    eviction (so no eviction rewrote a block a hash names); two requests held the shared blocks once; after its first
+    eviction a request holds the cap of its budget; every block comes back."""
+    res = _result(runs, "prefix")
+    on, off = res["cached"], res["uncached"]
+    assert on["tokens"] == off["tokens"] and len(on["tokens"]) == 3
+    window, bs = PAPER["buffer"], 32
+    want = [0] + [(len(p) - window) // bs * bs for p in prefix_prompts[1:]]
+    assert [on["cached"][f"p{k}"] for k in range(3)] == want and min(want[1:]) >= 8 * bs
+    assert all(v == 0 for v in off["cached"].values())
+    assert on["shared_blocks"] >= 8 and off["shared_blocks"] == 0
+    cap = math.ceil((PAPER["budget"] + PAPER["buffer"]) / bs)
+    assert 0 < on["max_blocks_after_first_eviction"] <= cap
+    assert on["free_blocks"] == on["pool_blocks"] and off["free_blocks"] == off["pool_blocks"]
+    assert on["stats"]["worker"]["rows_evicted"] >= 12 and on["stats"]["scheduler"]["trimmed"] == 3
 
 
 @needs_vllm

@@ -72,6 +72,7 @@ def evict_layer(
     state: dict[str, torch.Tensor] | None = None,
     memo: dict[str, torch.Tensor] | None = None,
     layer_idx: int = 0,
+    head_offset: int = 0,
 ) -> LayerEviction:
     """Choose which entries of one layer each evicting row keeps: ``budget`` tokens per (row, KV head) on average.
 
@@ -101,6 +102,8 @@ def evict_layer(
             (zeros for new tokens; a missing name starts at zeros); updated in place and returned in ``state``.
         memo: the per-row memo, ``{name: [b]}`` (H2O: ``acc_upto``, -1 at the start).
         layer_idx: the layer's index (keys the random choices; PyramidKV's depth is in ``budget``).
+        head_offset: the model's index of the first KV head of ``keys`` (a tensor-parallel rank's share of the heads;
+            keys the random choices, so that every rank draws what one worker would).
 
     Returns:
         A :class:`LayerEviction`.
@@ -133,6 +136,7 @@ def evict_layer(
         sinks=sinks,
         buffer=recent,
         memo={"latest_query": latest_query, **(memo or {})},
+        head_offset=head_offset,
     )
     b = keys.shape[0]
     keep = torch.full((b,), budget, dtype=torch.long, device=keys.device)

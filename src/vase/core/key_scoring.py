@@ -98,7 +98,9 @@ class Leverage(Scorer):
             ctx.row_keys.view(b, 1, 1, 1),
             ctx.layer_idx,
             ev.view(b, 1, 1, 1),
-            torch.arange(h, device=dev).view(1, h, 1, 1) if self.projection == "head" else 0,
+            torch.arange(ctx.head_offset, ctx.head_offset + h, device=dev).view(1, h, 1, 1)
+            if self.projection == "head"
+            else 0,
             torch.arange(d, device=dev).view(1, 1, d, 1),
             torch.arange(self.rank, device=dev).view(1, 1, 1, self.rank),
             STREAM_PROJECTION,

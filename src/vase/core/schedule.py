@@ -125,6 +125,7 @@ class Schedule:
         self.seen: list[int] = []
         self.evictions: list[int] = []
         self.first: list[int] = []  # each row's first limit
+        self.prompt: list[int] = []  # each row's prompt tokens (its first limit follows them with a dense prompt)
         self.qlimit: list[int] = []
         self.eviction_steps = 0  # steps in which at least one row evicted
         self.rows_evicted = 0
@@ -139,7 +140,7 @@ class Schedule:
     def resize(self, rows: int) -> None:
         """Room for ``rows`` rows (new rows empty; never shrinks)."""
         grow = rows - len(self.fill)
-        for name in ("fill", "seen", "evictions", "first", "qlimit"):
+        for name in ("fill", "seen", "evictions", "first", "prompt", "qlimit"):
             getattr(self, name).extend([0] * grow)
         self.row_budget.extend([self.budget] * grow)
         self.row_slots.extend([self.slots] * grow)
@@ -168,7 +169,39 @@ class Schedule:
             self.row_budget[row], self.row_slots[row] = self.budget, self.slots
         self.row_evicts[row] = self.evicts and evicts
         self.fill[row] = self.seen[row] = self.evictions[row] = self.qlimit[row] = 0
+        self.prompt[row] = prompt_tokens
         self.first[row] = self.first_limit(prompt_tokens, self.row_budget[row], self.row_evicts[row])
+
+    def hold(self, row: int, tokens: int) -> None:
+        """A row admitted with its first ``tokens`` already in its cache (a serving engine's prefix-cache hit): its
+        fill and tokens seen start there, in slots ``0 .. tokens - 1``.
+
+        Raises:
+            ValueError: ``tokens`` negative or at or past the row's first limit (a hit never reaches an eviction).
+        """
+        if not 0 <= tokens < self.first[row] or self.evictions[row] or self.seen[row]:
+            raise ValueError(f"a fresh row can hold [0, {self.first[row]}) tokens of a cache hit, got {tokens}")
+        self.fill[row] = self.seen[row] = tokens
+
+    def set_budget(self, row: int, budget: int) -> None:
+        """Give a live ``row`` a new budget (a serving engine's pool-aware budget, :mod:`vase.vllm.scheduler`): its
+        slots after its next eviction and its limit follow it at once. A row whose fill is at or past its new limit
+        evicts at its next step (to the new budget); a larger budget lets it grow further before its next eviction.
+        Its tables and entries are untouched until then.
+
+        Raises:
+            ValueError: adaptive budgets (``slots`` above the budget), quantized storage, a row that never evicts, or
+                a budget below 1.
+        """
+        if self.slots != self.budget or self.quantize or budget < 1:
+            raise ValueError(
+                f"a row's budget can change only with uniform budgets, full-precision storage and a budget >= 1, got "
+                f"{budget}"
+            )
+        if not self.row_evicts[row]:
+            raise ValueError(f"row {row} never evicts: it has no budget to change")
+        self.row_budget[row] = self.row_slots[row] = budget
+        self.first[row] = self.first_limit(self.prompt[row], budget, True)
 
     def first_limit(self, prompt: int, budget: int | None = None, evicts: bool | None = None) -> int:
         """:func:`first_limit` with this schedule's sizes (``budget``, ``evicts``: a row's own)."""

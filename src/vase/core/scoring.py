@@ -53,6 +53,8 @@ class EvictionContext:
         sinks: the first ``sinks`` valid tokens of each row are attention sinks (always kept).
         buffer: the last ``buffer`` valid tokens of each row are the recent window (always kept): the policy option
             ``recent`` when it is set, else the cache's buffer (the compaction interval).
+        head_offset: the model's index of the first KV head here (a tensor-parallel rank holds a share of the heads):
+            random choices are keyed by the model's head index, so every rank draws what one worker would.
     """
 
     keys: torch.Tensor
@@ -72,6 +74,7 @@ class EvictionContext:
     memo: dict = field(default_factory=dict)
     sinks: int = 0
     buffer: int = 0
+    head_offset: int = 0
 
     def older(self) -> torch.Tensor:
         """``[b, S]`` bool (``[b, H, S]`` with per-head ``valid``): valid slots before the recent window (sinks
@@ -90,7 +93,7 @@ class EvictionContext:
     def noise_parts(self, stream: int) -> tuple:
         """Hash inputs that give one independent value per (row, head, slot) for this eviction and stream."""
         b, h, _ = self.positions.shape
-        heads = torch.arange(h, device=self.positions.device).view(1, h, 1)
+        heads = torch.arange(self.head_offset, self.head_offset + h, device=self.positions.device).view(1, h, 1)
         return (
             self.row_keys.view(b, 1, 1),
             self.layer_idx,

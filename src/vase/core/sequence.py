@@ -41,6 +41,8 @@ class Sequences:
         layer_ids: the model index of each evicting layer, in order (they key the random choices).
         layer_budgets: the budget of each evicting layer (PyramidKV's differ; default: the budget for all).
         slots: physical slots per (row, layer, KV head) for kept tokens (default: the budget).
+        head_offset: the model's index of the first KV head this integration holds (a tensor-parallel rank's share;
+            keys the random choices).
 
     Attributes:
         schedule, tables, ring (None for a policy that needs no saved queries), config, policy.
@@ -55,6 +57,7 @@ class Sequences:
         layer_ids: list[int],
         layer_budgets: list[int] | None = None,
         slots: int | None = None,
+        head_offset: int = 0,
     ):
         if config.budget is None:
             raise ValueError("the sequence model needs a fixed budget: apply the ratio first (config.for_length)")
@@ -62,6 +65,7 @@ class Sequences:
         self.layer_ids = list(layer_ids)
         self.layer_budgets = list(layer_budgets) if layer_budgets is not None else [config.budget] * len(layer_ids)
         self.slots = config.budget if slots is None else slots
+        self.head_offset = head_offset
         self.schedule = Schedule(
             budget=config.budget,
             buffer=config.buffer,
@@ -84,6 +88,20 @@ class Sequences:
         self.tables.set_seeds([row], [seed])
         if self.ring is not None and row < self.ring.rows:
             self.ring.reset_row(row)
+
+    def hold(self, row: int, tokens: int) -> None:
+        """A fresh row whose first ``tokens`` are already held (a prefix-cache hit): slot ``i`` holds position ``i``,
+        as before any eviction (:meth:`vase.core.schedule.Schedule.hold`)."""
+        self.schedule.hold(row, tokens)
+
+    def set_budget(self, row: int, budget: int) -> None:
+        """A live row's new budget from its next step on (:meth:`vase.core.schedule.Schedule.set_budget`); its held
+        entries, tables and ring are untouched until its next eviction.
+
+        Raises:
+            ValueError: see :meth:`vase.core.schedule.Schedule.set_budget`.
+        """
+        self.schedule.set_budget(row, budget)
 
     def commit(self, step: StepSchedule, ring_write: RingWrite | None = None) -> None:
         """After a step's last layer: the schedule and the ring's pointers move on."""
@@ -170,6 +188,7 @@ class Sequences:
             state=state,
             memo=memo,
             layer_idx=self.layer_ids[layer],
+            head_offset=self.head_offset,
         )
         self.tables.set_memo(layer, sel, ev.memo)
         return ev

@@ -55,9 +55,11 @@ def engine_args(
     sinks: int | None = None,
     window: int | None = None,
     compress_prompt: bool | None = None,
-    admission: str = "reserve",
+    admission: str = "elastic",
+    min_budget: int | None = None,
     max_budget: int | None = None,
     allow_full: bool = False,
+    prefix_caching: bool | None = None,
     block_size: int = 32,
     **policy_options,
 ) -> dict:
@@ -68,16 +70,22 @@ def engine_args(
             ``'snapkv:selector=sample'``); ``'full'`` never evicts (plain vLLM).
         budget, buffer, sinks, window, compress_prompt: as :meth:`vase.core.config.VaseConfig.resolve` (tokens per
             request, layer and KV head; None: vase's defaults, budget 1024, buffer 64, sinks 4).
-        admission: ``'reserve'`` (a request gets its capped blocks when admitted) or ``'grow'`` (as it grows).
+        admission: ``'elastic'`` (default: every request that fits at ``min_budget`` is admitted at once, at the
+            largest budget the pool allows, running requests shrinking toward the floor when the pool is short;
+            :mod:`vase.vllm.admission`), ``'reserve'`` (a request gets its capped blocks when admitted, and waits for
+            them) or ``'grow'`` (blocks as it grows; vLLM preempts when the pool runs out).
+        min_budget: the floor of elastic budgets (default: the budget's quarter, rounded up to whole blocks).
         max_budget: the largest budget a request may ask for with ``extra_args={"vase_budget": b}`` (default: the
             budget; the per-slot tables are sized for it).
         allow_full: whether a request may ask for the full cache (``{"vase_budget": "full"}``).
+        prefix_caching: vLLM's prefix caching (None: on for a policy that keeps the prompt dense, as vLLM's default,
+            off for one that compresses prompts at prefill, which cannot share them).
         block_size: tokens per KV block, a multiple of 32 (the CPU kernel's rule).
         **policy_options: options of the policy (``selector='sample'``, ``guard='range'``, ...).
 
     Returns:
         ``{"additional_config": {"vase": {...}}, "scheduler_cls": ..., "worker_cls": ..., "enable_prefix_caching":
-        False, "block_size": block_size, "logits_processors": [...]}`` (the last checks each request's vase fields
+        ..., "block_size": block_size, "logits_processors": [...]}`` (the last checks each request's vase fields
         at admission, :mod:`vase.vllm.requests`: a bad ``vase_seed`` or ``vase_budget`` fails that request alone);
         the configuration also goes to the environment variable ``VASE_ENGINE_SPEC``, where that check reads the
         engine's limits. Chunked prefill stays vLLM's choice: a prompt split into chunks is compressed per chunk
@@ -86,7 +94,7 @@ def engine_args(
 
     Raises:
         VaseConfigError: the configuration is refused (checked here, before any engine starts; the engine rules are
-            checked again at engine start).
+            checked again at engine start), or prefix caching asked for with a policy that compresses prompts.
     """
     spec: dict = {"policy": policy, **policy_options}
     for key, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks), ("window", window)):
@@ -95,17 +103,26 @@ def engine_args(
     if compress_prompt is not None:
         spec["compress_prompt"] = compress_prompt
     spec["admission"] = admission
+    if min_budget is not None:
+        spec["min_budget"] = min_budget
     if max_budget is not None:
         spec["max_budget"] = max_budget
     if allow_full:
         spec["allow_full"] = True
-    parse(spec)  # the configuration's own errors, now
+    config, _ = parse(spec)  # the configuration's own errors, now
+    if prefix_caching is None:
+        prefix_caching = not config.compress_prompt
+    elif prefix_caching and config.compress_prompt and config.policy.evicts:
+        raise VaseConfigError(
+            f"vase: prefix caching needs a policy that keeps the prompt dense ({config.policy.name} compresses prompts "
+            "at prefill): use prompt=dense (as vase:preset=paper) or prefix_caching=False"
+        )
     os.environ[SPEC_ENV] = json.dumps(spec)  # the front end checks each request's vase_budget against it
     return {
         "additional_config": {"vase": spec},
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": bool(prefix_caching),
         "block_size": block_size,
         "logits_processors": [REQUEST_FIELDS],
     }

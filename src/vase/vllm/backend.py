@@ -78,8 +78,13 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if cm.num_reqs != plan.num_reqs:
             raise RuntimeError(f"vase: the step plan has {plan.num_reqs} requests, the metadata {cm.num_reqs}")
         table = cm.block_table_tensor
-        if plan.dense.any():  # dense rows: the kernel reads the null block; their output is replaced afterwards
+        if plan.dense.any() or plan.shifted.any():
             table = table.clone()
+            if plan.shifted.any():  # rows past their front blocks (prefix caching): their blocks from there on
+                rows = torch.from_numpy(plan.shifted)
+                nb = min(plan.block_rows.shape[1], table.shape[1])
+                table[rows, :nb] = plan.block_rows[rows, :nb].to(table.dtype)
+            # dense rows: the kernel reads the null block; their output is replaced afterwards
             table[torch.from_numpy(plan.dense)] = 0
         cm = dataclasses.replace(
             cm,

@@ -113,5 +113,5 @@ def _evict_group(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale, k
                 state[name][i, :, :length] = t
     res = ws.seq.evict(li, plan.schedule, ev, keys, values, positions, valid, state, scaling=scale, rows=rows)
     kk, vv, pp, st = gather_kept(res.indices, res.keep, keys, values, positions, res.state)
-    write_front(kv_cache, plan.block_rows[torch.tensor(ev, dtype=torch.long)], kk, vv, layer, kv_cache_dtype)
+    write_front(kv_cache, plan.write_rows[torch.tensor(ev, dtype=torch.long)], kk, vv, layer, kv_cache_dtype)
     ws.seq.tables.write_kept(li, rows, pp, st)

@@ -11,6 +11,7 @@ uses for several API servers): ``python -m vase.vllm.serve`` sets it to a fresh 
 | ``vase:requests_compressed_at_prefill_total`` | counter | requests whose prompt did not fit the cap: compressed |
 | ``vase:kv_blocks_held`` | gauge | KV blocks the running requests hold now |
 | ``vase:kv_blocks_without_eviction`` | gauge | KV blocks their tokens would fill without eviction (plain vLLM) |
+| ``vase:budget_shrinks_total`` | counter | running requests whose budget elastic admission lowered to admit others |
 
 Without ``prometheus_client`` (it comes with vLLM) the functions do nothing.
 """
@@ -34,6 +35,10 @@ def _metrics() -> dict | None:
             ),
             "compressed": Counter(
                 "vase:requests_compressed_at_prefill", "Requests whose prompt did not fit the cap, compressed by vase."
+            ),
+            "shrinks": Counter(
+                "vase:budget_shrinks",
+                "Running requests whose budget vase's elastic admission lowered so that waiting requests are admitted.",
             ),
             "held": Gauge(
                 "vase:kv_blocks_held", "KV blocks the running requests hold now.", multiprocess_mode="mostrecent"
@@ -65,3 +70,11 @@ def record_blocks(held: int, without_eviction: int) -> None:
         return
     m["held"].set(held)
     m["without"].set(without_eviction)
+
+
+def record_admission(shrinks: int) -> None:
+    """After a scheduler step: ``shrinks`` running requests had their budget lowered (elastic admission)."""
+    m = _metrics()
+    if m is None or not shrinks:
+        return
+    m["shrinks"].inc(shrinks)

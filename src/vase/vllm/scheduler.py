@@ -12,24 +12,36 @@ stop conditions); only the blocks follow the physical bound ``budget + buffer``.
   so the request's block list keeps its length).
 * A request with its own budget (``vase_budget``, :func:`vase.vllm.state.request_budget`) has the cap of that
   budget; one served with the full cache (``vase_budget="full"``) has its whole length as its cap, as plain vLLM.
-* Admission ``reserve`` (default): a request is given all the blocks it may ever hold (its cap, or fewer if its prompt
-  + ``max_tokens`` need fewer) when it is admitted; vLLM's admission gate then admits it only if they are free, and it
-  is never preempted for memory. ``grow``: blocks are added as the request grows, up to its cap, as vLLM does.
+* Admission ``elastic`` (default, :mod:`vase.vllm.admission`): a request is given all the blocks of its budget when it
+  is admitted, and the budget is the largest the pool allows for the running and waiting requests, down to a floor
+  (``min_budget``); running requests above that level shrink to it (their worker evicts them to the new budget at
+  their next step, and the blocks past their new cap then go back to the pool). ``reserve``: a request is given all
+  the blocks of its own budget (its cap, or fewer if its prompt + ``max_tokens`` need fewer) when it is admitted, and
+  waits until they are free. Neither is ever preempted for memory. ``grow``: blocks are added as the request grows, up
+  to its cap, as vLLM does (vLLM preempts when the pool runs out).
+* The worker hears each request's budget from the scheduler: ``SchedulerOutput.vase_budgets`` (request id -> budget,
+  or ``"full"``) names the budget of every request scheduled for the first time and of every request shrunk in this
+  step (the step's output reaches the worker before the step runs).
 
 Memory is freed by vLLM itself when a request finishes, is aborted or is preempted (``_free_request`` /
-``_preempt_request`` -> ``kv_cache_manager.free``); :meth:`CappedFullAttentionManager.free` also drops the cap.
+``_preempt_request`` -> ``kv_cache_manager.free``); :meth:`CappedFullAttentionManager.free` also drops the cap. Blocks
+a request gives back early (a dense prompt's after its first eviction, a shrunk request's past its new cap) are freed
+in ``remove_skipped_blocks``, which vLLM calls with the tokens already processed: only once the step that evicted has
+run.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from . import metrics
-from .settings import EngineSettings, settings_from
+from .admission import Demand, plan_admission
+from .settings import FULL, EngineSettings, settings_from
 from .state import request_budget
 
 logger = init_logger("vllm.plugins.vase")
@@ -39,18 +51,21 @@ class CappedFullAttentionManager(FullAttentionManager):
     """A ``FullAttentionManager`` that allocates a request at most its cap (see the module docstring).
 
     Set by :class:`VaseScheduler` (never constructed): ``vase`` (the settings), ``vase_caps`` (request id -> cap in
-    tokens), ``vase_first`` (request id -> fill of its first eviction and its steady cap in blocks, for dense
-    prompts), ``vase_stats``.
+    tokens: the length of its block list), ``vase_trims`` (request id -> (processed tokens, first, end): once that
+    many tokens are processed, the request's blocks outside ``[first, end)`` go back to the pool and its cap becomes
+    ``end``: a dense prompt's first eviction, a shrink), ``vase_fronts`` (request id -> its prompt blocks that are
+    never rewritten, with prefix caching: only they are cached), ``vase_stats``.
     """
 
     vase: EngineSettings
     vase_caps: dict
-    vase_first: dict
+    vase_trims: dict
+    vase_fronts: dict
     vase_stats: dict
 
     def _vase_tokens(self, request_id: str, num_tokens: int) -> int:
         cap = self.vase_caps.get(request_id, self.vase.cap_tokens)
-        if self.vase.admission == "reserve":
+        if self.vase.admission != "grow":
             return cap  # every block the request may hold, from the start
         return min(num_tokens, cap)
 
@@ -62,42 +77,74 @@ class CappedFullAttentionManager(FullAttentionManager):
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         n = self._vase_tokens(request_id, num_tokens)
         out = super().allocate_new_blocks(request_id, n, min(num_tokens_main_model, n))
-        held = len(self.req_to_blocks[request_id])
-        live = held - sum(1 for b in self.req_to_blocks[request_id] if b.is_null)
+        live = self.live_blocks(request_id)
         stats = self.vase_stats
         stats["max_blocks_held"] = max(stats["max_blocks_held"], live)
         cap_blocks = self.vase_caps.get(request_id, self.vase.cap_tokens) // self.block_size
         stats["max_over_cap"] = max(stats["max_over_cap"], live - cap_blocks)
         return out
 
+    def live_blocks(self, request_id: str) -> int:
+        """Blocks of the pool a request holds (its block list less the null block)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
+
     def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
-        """After the first eviction of a request with a dense prompt, return its blocks past the steady cap."""
+        """Once a trim's step is processed (a dense prompt's first eviction, a shrink), return the blocks past it."""
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        first = self.vase_first.get(request_id)
-        if first is None or processed_computed_tokens < first[0]:
+        trim = self.vase_trims.get(request_id)
+        if trim is None or processed_computed_tokens < trim[0]:
             return
-        del self.vase_first[request_id]
-        steady = first[1]
-        self.vase_caps[request_id] = steady * self.block_size
-        self._remove_blocks_in_range(request_id, steady, len(self.req_to_blocks.get(request_id, ())))
+        del self.vase_trims[request_id]
+        _, first, end = trim
+        self.vase_caps[request_id] = end * self.block_size
+        blocks = self.req_to_blocks.get(request_id, [])
+        freed = []
+        for i in [*range(len(blocks) - 1, end - 1, -1), *range(first - 1, -1, -1)]:  # tail first, as vLLM frees
+            if not blocks[i].is_null:  # past earlier trims' null blocks too
+                freed.append(blocks[i])
+                blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)  # prompt blocks keep their hashes: still a prefix-cache hit
         self.vase_stats["trimmed"] += 1
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs):
+        """Only a request's front blocks (its full prompt blocks) are ever named by a hash: the blocks after them are
+        rewritten by eviction."""
+        front = self.vase_fronts.get(request.request_id)
+        if front is not None:
+            num_tokens = min(num_tokens, front * self.block_size)
+        return super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def free(self, request_id: str) -> None:
         self.vase_caps.pop(request_id, None)
-        self.vase_first.pop(request_id, None)
+        self.vase_trims.pop(request_id, None)
+        self.vase_fronts.pop(request_id, None)
         super().free(request_id)
 
 
+@dataclass
+class _Request:
+    """What the scheduler keeps of a request: its prompt, the most tokens it may hold (prompt + max_tokens, at most
+    the model's length), the budget it asked for (``target``; None: the full cache) and the one it holds now."""
+
+    prompt: int
+    max_len: int
+    target: int | None
+    budget: int | None
+
+
 class VaseScheduler(Scheduler):
-    """vLLM's scheduler with per-request block caps (see the module docstring) and a few counters.
+    """vLLM's scheduler with per-request block caps, elastic budgets (see the module docstring) and a few counters.
 
     ``vase_stats``: ``max_blocks_held`` (the most live blocks one request held), ``max_over_cap`` (the most blocks
-    a request held above its cap: 0 or less), ``peak_running``, ``preemptions``, ``trimmed`` (dense prompts cut back
-    to the cap), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the running
-    requests hold after the last step, and ``ceil(tokens / block_size)`` summed over them: what plain vLLM would
-    hold) and their peaks ``peak_kv_blocks_held`` / ``peak_kv_blocks_without_eviction``; the same on ``/metrics``
-    (:mod:`vase.vllm.metrics`). Without vase in ``additional_config`` it is the stock scheduler plus these counters
-    (the benchmark's plain engine uses it that way).
+    a request held above its cap: 0 or less), ``peak_running``, ``preemptions``, ``trimmed`` (blocks given back
+    early: dense prompts cut back to the cap, shrunk requests), ``shrinks`` (running requests whose budget was lowered),
+    ``admitted_below_budget`` (requests admitted below the budget they asked for), ``min_budget_held`` (the smallest
+    budget a request held), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the
+    running requests hold after the last step, and ``ceil(tokens / block_size)`` summed over them: what plain vLLM
+    would hold) and their peaks ``peak_kv_blocks_held`` / ``peak_kv_blocks_without_eviction``; the same on
+    ``/metrics`` (:mod:`vase.vllm.metrics`). Without vase in ``additional_config`` it is the stock scheduler plus these
+    counters (the benchmark's plain engine uses it that way).
 
     Raises:
         VaseConfigError: at engine start, for a configuration :func:`vase.vllm.settings.settings_from` refuses.
@@ -113,6 +160,9 @@ class VaseScheduler(Scheduler):
             "peak_running": 0,
             "preemptions": 0,
             "trimmed": 0,
+            "shrinks": 0,
+            "admitted_below_budget": 0,
+            "min_budget_held": None,
             "cap_blocks": None,
             "kv_blocks_held": 0,
             "kv_blocks_without_eviction": 0,
@@ -120,38 +170,144 @@ class VaseScheduler(Scheduler):
             "peak_kv_blocks_without_eviction": 0,
         }
         self._vase_managers: list[CappedFullAttentionManager] = []
+        self._vase_reqs: dict[str, _Request] = {}
+        self._vase_shrinking: set[str] = set()
         if self.vase is None or not self.vase.evicts:
             return
         for m in self.kv_cache_manager.coordinator.single_type_managers:
             if type(m) is not FullAttentionManager:
                 raise ValueError(f"vase: KV cache manager {type(m).__name__} is not full attention")
             m.__class__ = CappedFullAttentionManager
-            m.vase, m.vase_caps, m.vase_first, m.vase_stats = self.vase, {}, {}, self.vase_stats
+            m.vase, m.vase_caps, m.vase_trims, m.vase_fronts, m.vase_stats = self.vase, {}, {}, {}, self.vase_stats
             self._vase_managers.append(m)
         self.vase_stats["cap_blocks"] = self.vase.cap_blocks
         logger.info("vase: %s", self.vase.describe())
 
     def add_request(self, request) -> None:
         if self._vase_managers:
-            s = self.vase
-            budget = request_budget(s, request.request_id, request.sampling_params)
+            s, rid = self.vase, request.request_id
+            budget = request_budget(s, rid, request.sampling_params)
             max_len = min(self.max_model_len, request.num_prompt_tokens + max(int(request.max_tokens or 0), 1))
-            cap = s.request_cap_tokens(request.num_prompt_tokens, max_len, budget, full=budget is None)
-            for m in self._vase_managers:
-                m.vase_caps[request.request_id] = cap
-                # a dense prompt: its blocks past the steady cap go after its first eviction
-                if budget is not None and cap > s.cap_blocks_for(budget) * s.block_size:
-                    first = s.first_eviction(request.num_prompt_tokens, budget)
-                    m.vase_first[request.request_id] = (first, s.cap_blocks_for(budget))
+            self._vase_reqs[rid] = _Request(request.num_prompt_tokens, max_len, budget, budget)
+            self._vase_assign(rid, budget)
         super().add_request(request)
 
+    def _vase_blocks(self, req: _Request, budget: int | None) -> int:
+        """Blocks a request holds at ``budget`` (None: the full cache), with its dense prompt until its first
+        eviction (:meth:`vase.vllm.settings.EngineSettings.request_cap_tokens`)."""
+        s = self.vase
+        return s.request_cap_tokens(req.prompt, req.max_len, budget, full=budget is None) // s.block_size
+
+    def _vase_assign(self, rid: str, budget: int | None) -> None:
+        """The cap of a request not yet running, at ``budget``; a dense prompt's blocks past the steady cap go after
+        its first eviction."""
+        s, req = self.vase, self._vase_reqs[rid]
+        req.budget = budget
+        cap = self._vase_blocks(req, budget) * s.block_size
+        front = s.front_blocks(req.prompt) if budget is not None else 0
+        for m in self._vase_managers:
+            m.vase_caps[rid] = cap
+            m.vase_trims.pop(rid, None)
+            if budget is not None:
+                m.vase_fronts[rid] = front
+            steady = s.cap_blocks_for(budget) if budget is not None else 0
+            if budget is not None and (front or cap > steady * s.block_size):
+                # its dense prompt's blocks past the steady cap (and with prefix caching its front blocks) go back
+                # after its first eviction
+                m.vase_trims[rid] = (s.first_eviction(req.prompt, budget), front, front + steady)
+
+    def _vase_elastic(self) -> dict:
+        """The step's elastic plan (:func:`vase.vllm.admission.plan_admission`): caps of the waiting requests it
+        admits, shrinks of running requests; returns ``{request id: new budget}`` of the shrunk ones."""
+        s, m = self.vase, self._vase_managers[0]
+        room = self.max_num_active_reqs - len(self.running)
+        if room <= 0:
+            return {}
+        waiting = [r for _, r in zip(range(room), self.waiting) if r.request_id in self._vase_reqs]
+        if not waiting:
+            return {}
+        running, current, held = [], {}, 0
+        for r in self.running:
+            rid = r.request_id
+            req = self._vase_reqs.get(rid)
+            live = m.live_blocks(rid)
+            held += live
+            if rid in self._vase_shrinking and rid not in m.vase_trims:
+                self._vase_shrinking.discard(rid)  # its trim is done
+            if req is None or req.budget is None:
+                running.append(Demand(rid, ((0, live),)))
+            elif rid in self._vase_shrinking:  # its blocks past the new cap go back before anyone is admitted
+                _, first, end = m.vase_trims[rid]
+                running.append(Demand(rid, ((req.budget, end - first),)))
+            elif rid in m.vase_trims or r.num_computed_tokens < r.num_prompt_tokens:
+                running.append(Demand(rid, ((req.budget, live),)))  # a dense prompt, a prefill: cannot shrink now
+            else:
+                steps = [b for b in s.ladder(req.target) if b <= req.budget]
+                whole = -(-req.max_len // s.block_size)  # past its first eviction: the cap of its budget
+                running.append(Demand(rid, tuple((b, min(s.cap_blocks_for(b), whole)) for b in steps)))
+                current[rid] = req.budget
+        queued = []
+        for r in waiting:
+            req = self._vase_reqs[r.request_id]
+            if req.target is None:
+                queued.append(Demand(r.request_id, ((0, self._vase_blocks(req, None)),)))
+            else:
+                queued.append(Demand(r.request_id, tuple((b, self._vase_blocks(req, b)) for b in s.ladder(req.target))))
+        usable = self.kv_cache_manager.block_pool.get_num_free_blocks() + held - self.kv_cache_manager.watermark_blocks
+        plan = plan_admission(running, queued, usable, current)
+        for rid, (budget, _) in plan.admit.items():
+            if self._vase_reqs[rid].target is not None:
+                self._vase_assign(rid, budget)
+        changes = {}
+        for rid, (budget, blocks) in plan.shrink.items():
+            req = self.requests[rid]
+            self._vase_reqs[rid].budget = budget
+            front = self.vase.front_blocks(self._vase_reqs[rid].prompt)
+            for mgr in self._vase_managers:  # once its next step has run, it holds `blocks` after its front
+                mgr.vase_trims[rid] = (req.num_computed_tokens + 1, front, front + blocks)
+            self._vase_shrinking.add(rid)
+            changes[rid] = budget
+        self.vase_stats["shrinks"] += len(changes)
+        return changes
+
+    def _get_local_prefix_cache_hit(self, request):
+        """vLLM's prefix-cache hit, less the prompt's last ``window`` tokens (their queries score the request's first
+        eviction, so they are computed even when their blocks are cached): the same scores with or without a hit."""
+        blocks, hit, *rest = super()._get_local_prefix_cache_hit(request)
+        req = self._vase_reqs.get(request.request_id)
+        if not self._vase_managers or hit == 0 or req is None or req.target is None:
+            return (blocks, hit, *rest)
+        bs = self.vase.block_size
+        most = max(request.num_prompt_tokens - self.vase.config.window, 0) // bs * bs
+        if hit <= most:
+            return (blocks, hit, *rest)
+        if most == 0:
+            return (self.kv_cache_manager.empty_kv_cache_blocks, 0, *rest)
+        cut = type(blocks)(tuple(group[: most // bs] for group in blocks.blocks))
+        return (cut, most, *rest)
+
     def schedule(self, *args, **kwargs):
+        changes = self._vase_elastic() if self._vase_managers and self.vase.elastic and self.waiting else {}
         out = super().schedule(*args, **kwargs)
         st = self.vase_stats
         st["peak_running"] = max(st["peak_running"], len(self.running))
         if out.preempted_req_ids:
             st["preemptions"] += len(out.preempted_req_ids)
         if self._vase_managers:
+            budgets = dict(changes)
+            started = [nr.req_id for nr in out.scheduled_new_reqs]
+            started += list(out.scheduled_cached_reqs.resumed_req_ids)
+            for rid in started:
+                req = self._vase_reqs.get(rid)
+                if req is None:
+                    continue
+                budgets[rid] = FULL if req.budget is None else req.budget
+                if req.budget is not None and req.target is not None and req.budget < req.target:
+                    st["admitted_below_budget"] += 1
+            for b in budgets.values():
+                if b != FULL:
+                    st["min_budget_held"] = b if st["min_budget_held"] is None else min(st["min_budget_held"], b)
+            out.vase_budgets = budgets  # read by the worker (vase.vllm.worker) before the step runs
             bs = self.vase.block_size
             held = blocks_in_use(self)
             without = sum(-(-r.num_tokens // bs) for r in self.running)  # ceil: as plain vLLM's blocks
@@ -159,7 +315,25 @@ class VaseScheduler(Scheduler):
             st["peak_kv_blocks_held"] = max(st["peak_kv_blocks_held"], held)
             st["peak_kv_blocks_without_eviction"] = max(st["peak_kv_blocks_without_eviction"], without)
             metrics.record_blocks(held, without)
+            metrics.record_admission(len(changes))
         return out
+
+    def finish_requests(self, *args, **kwargs):
+        out = super().finish_requests(*args, **kwargs)
+        self._vase_forget()
+        return out
+
+    def update_from_output(self, *args, **kwargs):
+        out = super().update_from_output(*args, **kwargs)
+        self._vase_forget()
+        return out
+
+    def _vase_forget(self) -> None:
+        """Drop what the scheduler kept of requests vLLM no longer knows (finished, aborted)."""
+        if len(self._vase_reqs) > len(self.requests):
+            for rid in [r for r in self._vase_reqs if r not in self.requests]:
+                del self._vase_reqs[rid]
+                self._vase_shrinking.discard(rid)
 
 
 def blocks_in_use(scheduler) -> int:

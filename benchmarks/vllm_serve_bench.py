@@ -1,0 +1,298 @@
+"""Serving benchmark: stock vLLM against vLLM + vase, both as OpenAI servers side by side, driven by vLLM's own client.
+
+What a serving team measures: output tokens/s, time to first token (TTFT) and time per output token (TPOT) percentiles,
+for requests arriving in a burst and over time (Poisson), with sampled decoding (temperature 0.6, top-p 0.95). Stock
+vLLM runs as users run it: ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_PLUGINS=none`` (no plugin
+loads even though vase is installed) and vLLM's defaults, prefix caching on; vase runs through
+``python -m vase.vllm.serve`` with the spec given. Every server gets the same pool (``--pool-blocks``: vLLM's
+``--num-gpu-blocks-override``, or ``--pool-gib`` of KV space), the same model length and request limit, one thread,
+and its own core (``taskset``); all of them are loaded at once, each by its own client (vLLM's ``vllm bench serve``
+through benchmarks/vllm_bench_client.py) with the same prompts and the same arrival times, so that the engines
+compared share the machine alike (``--sequential``: one engine at a time on every core, for tensor parallelism).
+
+Prompts: reasoning problems (``--task``, default MATH-500, in the harness's template) with the model's chat template;
+each workload takes its own slice of problems, so that no prefix cache serves one workload's prompts to the next.
+``--system-prompt N``: every request also starts with one shared system message of about ``N`` tokens (the case
+prefix caching exists for). Without ../shared/data, built-in questions are used (and said).
+
+Results: ``OUT/results.json`` (per workload and engine: the client's metrics; from the server's ``/metrics``, the
+change of preemptions, prefix-cache queries and hits, and vase's evictions and budget shrinks), written after each
+workload; a rerun skips the workloads already there. ``OUT/table.md`` holds the table (also printed), with each
+vase engine's ratio to the first engine.
+
+    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/serve-tight-1k --pool-blocks 160 --gen 1024 \
+        --prompts 24 --workloads burst poisson:0.1 \
+        --engines "vllm=stock" "vase=vase:budget=256:buffer=64"
+
+Needs ``.venv-vllm`` (``make vllm``) and pandas for the client's dataset reader (``pip install "vase[serve-bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENT = ROOT / "benchmarks" / "vllm_bench_client.py"
+COUNTERS = {
+    "preemptions": "vllm:num_preemptions_total",
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "evictions": "vase:evictions_total",
+    "shrinks": "vase:budget_shrinks_total",
+}
+FALLBACK = [
+    "A farmer has 17 sheep and buys 3 times as many goats. How many animals does he have?",
+    "What is the sum of the first 50 odd numbers?",
+    "Find all real x with x^2 - 5x + 6 = 0.",
+    "How many ways can 4 books be arranged on a shelf?",
+]
+SYSTEM_TEXT = (
+    "You are a careful mathematics tutor. Follow the house style guide below in every answer. "
+    "Section {i}: state the known quantities, name the unknown, write each step on its own line, check units, "
+    "verify the result by substitution, and box the final answer. "
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """The unlabelled sums of a server's Prometheus counters."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = name.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _questions(task: str, count: int, offset: int) -> tuple[list[str], str]:
+    """``count`` prompts from ``offset`` on (cycling), and where they came from."""
+    try:
+        from vase.harness.data import load_problems
+
+        problems = load_problems(task)
+        texts = [p.prompt() for p in problems]
+        source = f"{task} (problems {offset % len(texts)}..)"
+    except Exception as exc:  # no ../shared: built-in questions, said in the results
+        texts, source = FALLBACK, f"built-in questions ({exc})"
+    return [texts[(offset + i) % len(texts)] for i in range(count)], source
+
+
+def _dataset(args, path: Path, offset: int) -> dict:
+    """Write the workload's prompts (chat template applied) as the client's custom JSONL dataset."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    questions, source = _questions(args.task, args.prompts, offset)
+    system = None
+    if args.system_prompt:
+        parts, i = [], 0
+        while len(tok.encode(" ".join(parts))) < args.system_prompt:
+            parts.append(SYSTEM_TEXT.format(i=i + 1))
+            i += 1
+        system = " ".join(parts)
+    lengths = []
+    with path.open("w") as f:
+        for q in questions:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            lengths.append(len(tok.encode(text, add_special_tokens=False)))
+            f.write(json.dumps({"prompt": text}) + "\n")
+    return {"source": source, "prompt_tokens": [min(lengths), max(lengths)], "system_tokens": args.system_prompt}
+
+
+class Server:
+    """One OpenAI server (stock vLLM or vase), started in its own session so that it can be stopped whole."""
+
+    def __init__(self, args, name: str, spec: str, cores: str | None, out: Path):
+        self.name, self.spec, self.port = name, spec, _free_port()
+        extra = []
+        if "|" in spec:
+            spec, flags = spec.split("|", 1)
+            extra = shlex.split(flags)
+        common = [
+            "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+            "--port", str(self.port), "--seed", "0", "--gpu-memory-utilization", "0.3", "--disable-log-requests",
+        ]  # fmt: skip
+        if args.pool_blocks:
+            common += ["--num-gpu-blocks-override", str(args.pool_blocks)]
+        py = sys.executable
+        if spec == "stock":
+            cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, *common, *extra]
+        else:
+            cmd = [py, "-m", "vase.vllm.serve", args.model, "--vase", spec, *common, *extra]
+        if cores:
+            cmd = ["taskset", "-c", cores, *cmd]
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS=str(args.threads),
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_CPU_KVCACHE_SPACE=str(args.pool_gib),
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if spec == "stock":
+            env["VLLM_PLUGINS"] = "none"  # stock vLLM, as users run it, though vase is installed
+        self.log = out / f"server-{name}.log"
+        self.cmd = cmd
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait(self, timeout: float = 900) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(2)
+        raise RuntimeError(f"server {self.name} did not answer /health within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _client(args, server: Server, dataset: Path, rate: str, out: Path, tag: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, str(CLIENT), "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}",
+        "--endpoint", "/v1/completions", "--model", args.model, "--tokenizer", args.model,
+        "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template", "--disable-shuffle",
+        "--num-prompts", str(args.prompts), "--custom-output-len", str(args.gen), "--ignore-eos",
+        "--request-rate", rate, "--burstiness", "1.0", "--seed", str(args.seed),
+        "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--disable-tqdm",
+        "--save-result", "--result-dir", str(out), "--result-filename", f"{tag}-{server.name}.json",
+    ]  # fmt: skip
+    log = open(out / f"client-{tag}-{server.name}.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _run_workload(args, servers: list[Server], workload: str, index: int, out: Path) -> dict:
+    tag = workload.replace(":", "-")
+    dataset = out / f"prompts-{tag}.jsonl"
+    info = _dataset(args, dataset, offset=index * args.prompts)
+    rate = "inf" if workload == "burst" else workload.split(":", 1)[1]
+    before = {s.name: _metrics(s.port) for s in servers}
+    t0 = time.time()
+    clients = [(s, _client(args, s, dataset, rate, out, tag)) for s in servers]
+    for s, c in clients:
+        if c.wait() != 0:
+            raise RuntimeError(f"client of {s.name} failed: see {out}/client-{tag}-{s.name}.log")
+    row = {"workload": workload, "wall_s": time.time() - t0, **info, "engines": {}}
+    for s in servers:
+        res = json.loads((out / f"{tag}-{s.name}.json").read_text())
+        after = _metrics(s.port)
+        counts = {k: after.get(m, 0.0) - before[s.name].get(m, 0.0) for k, m in COUNTERS.items()}
+        keep = {k: v for k, v in res.items() if not isinstance(v, list)}
+        row["engines"][s.name] = {"spec": s.spec, "client": keep, "server": counts}
+    return row
+
+
+def _table(results: dict, first: str) -> str:
+    lines = [
+        "| workload | engine | out tok/s | x " + first + " | TTFT p50 s | TTFT p99 s | TPOT p50 ms | TPOT p99 ms | "
+        "preemptions | shrinks | prefix hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["workloads"]:
+        base = row["engines"].get(first, {}).get("client", {}).get("output_throughput")
+        for name, e in row["engines"].items():
+            c, s = e["client"], e["server"]
+            tput = c.get("output_throughput", 0.0)
+            ratio = f"{tput / base:.2f}x" if base else ""
+            hits = f"{s['prefix_hits'] / s['prefix_queries']:.2f}" if s.get("prefix_queries") else ""
+            ttft = f"{c.get('median_ttft_ms', 0) / 1e3:.2f} | {c.get('p99_ttft_ms', 0) / 1e3:.2f}"
+            tpot = f"{c.get('median_tpot_ms', 0):.1f} | {c.get('p99_tpot_ms', 0):.1f}"
+            lines.append(
+                f"| {row['workload']} | {name} | {tput:.1f} | {ratio} | {ttft} | {tpot} | {s['preemptions']:.0f} | "
+                f"{s['shrinks']:.0f} | {hits} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--model", default=str(ROOT / "build" / "vllm" / "smollm2"))
+    ap.add_argument("--engines", nargs="+", default=["vllm=stock", "vase=vase:budget=256:buffer=64"],
+                    help="NAME=SPEC: 'stock' (vLLM, no plugin) or a vase spec; '|FLAGS' adds vLLM flags")  # fmt: skip
+    ap.add_argument("--workloads", nargs="+", default=["burst", "poisson:0.1"], help="burst or poisson:RATE (req/s)")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--gen", type=int, default=1024, help="output tokens per request (end-of-sequence ignored)")
+    ap.add_argument("--pool-blocks", type=int, default=0, help="KV blocks (vLLM's --num-gpu-blocks-override)")
+    ap.add_argument("--pool-gib", type=float, default=4, help="KV space in GiB when --pool-blocks is not given")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--system-prompt", type=int, default=0, help="tokens of a system message shared by all requests")
+    ap.add_argument("--task", default="math500")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="threads per server")
+    ap.add_argument("--cores", default="0,1", help="cores, one per engine, in order (side by side)")
+    ap.add_argument("--sequential", action="store_true", help="one engine at a time, on every core")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"workloads": []}
+    results["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    done = {r["workload"] for r in results["workloads"]}
+    engines = [e.split("=", 1) for e in args.engines]
+    cores = args.cores.split(",")
+    groups = [[e] for e in engines] if args.sequential else [engines]
+    todo = [(i, w) for i, w in enumerate(args.workloads) if w not in done]
+    for group in groups if todo else []:
+        servers = []
+        try:
+            for k, (name, spec) in enumerate(group):
+                core = None if args.sequential else cores[k % len(cores)]
+                servers.append(Server(args, name, spec, core, args.out))
+            for s in servers:
+                s.wait()
+            print(f"[bench] servers up: {', '.join(s.name for s in servers)}", flush=True)
+            for i, w in todo:
+                row = _run_workload(args, servers, w, i, args.out)
+                old = next((r for r in results["workloads"] if r["workload"] == w), None)
+                if old is None:
+                    results["workloads"].append(row)
+                else:
+                    old["engines"].update(row["engines"])
+                path.write_text(json.dumps(results, indent=1))
+                print(f"[bench] {w}: done in {row['wall_s']:.0f} s", flush=True)
+        finally:
+            for s in servers:
+                s.stop()
+    table = _table(results, engines[0][0])
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
