@@ -4,8 +4,9 @@ What a serving team measures: output tokens/s, time to first token (TTFT) and ti
 for requests arriving in a burst and over time (Poisson), with sampled decoding (temperature 0.6, top-p 0.95). Stock
 vLLM runs as users run it: ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_PLUGINS=none`` (no plugin
 loads even though vase is installed) and vLLM's defaults, prefix caching on; vase runs through
-``python -m vase.vllm.serve`` with the spec given. Every server gets the same pool (``--pool-blocks``: vLLM's
-``--num-gpu-blocks-override``, or ``--pool-gib`` of KV space), the same model length and request limit, one thread,
+``python -m vase.vllm.serve`` with the spec given. Every server gets the same KV memory (``--pool-tokens``: vLLM's
+``--num-gpu-blocks-override`` set to that many tokens in the engine's own block size, 128 for stock vLLM on CPU and
+32 for vase; or ``--pool-gib`` of KV space), the same model length and request limit, one thread,
 and its own core (``taskset``); all of them are loaded at once, each by its own client (vLLM's ``vllm bench serve``
 through benchmarks/vllm_bench_client.py) with the same prompts and the same arrival times, so that the engines
 compared share the machine alike (``--sequential``: one engine at a time on every core, for tensor parallelism).
@@ -20,7 +21,7 @@ change of preemptions, prefix-cache queries and hits, and vase's evictions and b
 workload; a rerun skips the workloads already there. ``OUT/table.md`` holds the table (also printed), with each
 vase engine's ratio to the first engine.
 
-    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/serve-tight-1k --pool-blocks 160 --gen 1024 \
+    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/serve-tight-1k --pool-tokens 5120 --gen 1024 \
         --prompts 24 --workloads burst poisson:0.1 \
         --engines "vllm=stock" "vase=vase:budget=256:buffer=64"
 
@@ -42,6 +43,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+STOCK_BLOCK = 128  # vLLM's default KV block size on CPU (tokens)
 CLIENT = ROOT / "benchmarks" / "vllm_bench_client.py"
 COUNTERS = {
     "preemptions": "vllm:num_preemptions_total",
@@ -111,7 +113,10 @@ def _dataset(args, path: Path, offset: int) -> dict:
     with path.open("w") as f:
         for q in questions:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            if tok.chat_template:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            else:  # a base model: the texts one after another
+                text = "\n\n".join(m["content"] for m in messages) + "\n\n"
             lengths.append(len(tok.encode(text, add_special_tokens=False)))
             f.write(json.dumps({"prompt": text}) + "\n")
     return {"source": source, "prompt_tokens": [min(lengths), max(lengths)], "system_tokens": args.system_prompt}
@@ -128,10 +133,15 @@ class Server:
             extra = shlex.split(flags)
         common = [
             "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--port", str(self.port), "--seed", "0", "--gpu-memory-utilization", "0.3", "--disable-log-requests",
+            "--port", str(self.port), "--seed", "0", "--gpu-memory-utilization", "0.3",
         ]  # fmt: skip
-        if args.pool_blocks:
-            common += ["--num-gpu-blocks-override", str(args.pool_blocks)]
+        # the same KV memory for every engine: a pool of `--pool-tokens` tokens in each engine's own block size
+        # (stock vLLM's CPU default is 128 tokens a block, vase's 32)
+        block = int(extra[extra.index("--block-size") + 1]) if "--block-size" in extra else None
+        block = block or (STOCK_BLOCK if spec == "stock" else 32)
+        self.blocks = args.pool_tokens // block if args.pool_tokens else None
+        if self.blocks:
+            common += ["--num-gpu-blocks-override", str(self.blocks)]
         py = sys.executable
         if spec == "stock":
             cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, *common, *extra]
@@ -205,6 +215,7 @@ def _run_workload(args, servers: list[Server], workload: str, index: int, out: P
         if c.wait() != 0:
             raise RuntimeError(f"client of {s.name} failed: see {out}/client-{tag}-{s.name}.log")
     row = {"workload": workload, "wall_s": time.time() - t0, **info, "engines": {}}
+    row["pool_blocks"] = {s.name: s.blocks for s in servers}
     for s in servers:
         res = json.loads((out / f"{tag}-{s.name}.json").read_text())
         after = _metrics(s.port)
@@ -245,8 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workloads", nargs="+", default=["burst", "poisson:0.1"], help="burst or poisson:RATE (req/s)")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--gen", type=int, default=1024, help="output tokens per request (end-of-sequence ignored)")
-    ap.add_argument("--pool-blocks", type=int, default=0, help="KV blocks (vLLM's --num-gpu-blocks-override)")
-    ap.add_argument("--pool-gib", type=float, default=4, help="KV space in GiB when --pool-blocks is not given")
+    ap.add_argument("--pool-tokens", type=int, default=0,
+                    help="KV pool in tokens, the same memory for every engine (vLLM's --num-gpu-blocks-override = "
+                    "this / the engine's block size)")  # fmt: skip
+    ap.add_argument("--pool-gib", type=float, default=4, help="KV space in GiB when --pool-tokens is not given")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--system-prompt", type=int, default=0, help="tokens of a system message shared by all requests")

@@ -91,3 +91,41 @@ def test_plan_keeps_budgets_that_fit_and_respects_own_targets():
     assert plan.shrink == {"r0": (160, 7)}
     nobody = plan_admission(running, [_demand(s, "big", 512)], 39, current)  # floors: 5 + 30 + 5 = 40 > 39
     assert nobody.level is None and nobody.admit == {} and nobody.shrink == {} and nobody.blocks == 40
+
+
+def _engine(tp=1, pp=1, kv_heads=3, prefix=False, hybrid=False):
+    """A stand-in for vLLM's configuration with the fields the engine rules read."""
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.rules import SCHEDULER_CLS, WORKER_CLS
+
+    return NS(
+        cache_config=NS(block_size=32, enable_prefix_caching=prefix, cache_dtype="auto"),
+        scheduler_config=NS(scheduler_cls=SCHEDULER_CLS),
+        parallel_config=NS(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=1, worker_cls=WORKER_CLS
+        ),
+        model_config=NS(
+            get_total_num_kv_heads=lambda: kv_heads, is_hybrid=hybrid, is_attention_free=False, is_encoder_decoder=False
+        ),
+        speculative_config=None,
+        use_v2_model_runner=False,
+    )
+
+
+def test_engine_rules_name_each_broken_rule():
+    """Tensor parallelism is refused only where a worker would hold part of a KV head's query heads and the policy
+    scores with queries; pipeline parallelism, state-space hybrids and prefix caching with prompts compressed at
+    prefill are refused; data parallelism and dense-prompt prefix caching are not."""
+    from vase.vllm.rules import check_engine
+
+    vase_cfg, _ = parse("vase:budget=128")
+    stream, _ = parse("streaming_llm:budget=128")
+    paper, _ = parse("vase:preset=paper:budget=128:buffer=64")
+    assert check_engine(_engine(tp=2, kv_heads=2), vase_cfg) == []
+    assert "query-based scores would differ" in " ".join(check_engine(_engine(tp=2, kv_heads=1), vase_cfg))
+    assert check_engine(_engine(tp=2, kv_heads=1), stream) == []  # keys only: the replicated head is the same
+    assert "pipeline parallelism" in " ".join(check_engine(_engine(pp=2), vase_cfg))
+    assert "state-space or linear-attention" in " ".join(check_engine(_engine(hybrid=True), vase_cfg))
+    assert "compresses prompts at prefill" in " ".join(check_engine(_engine(prefix=True), vase_cfg))
+    assert check_engine(_engine(prefix=True), paper) == []

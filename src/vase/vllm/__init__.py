@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 
-from .settings import REQUEST_FIELDS, SCHEDULER_CLS, SPEC_ENV, WORKER_CLS, VaseConfigError, parse
+from .rules import SCHEDULER_CLS, WORKER_CLS
+from .settings import REQUEST_FIELDS, SPEC_ENV, VaseConfigError, parse
 
 _registered = False
 
@@ -130,21 +131,24 @@ def engine_args(
 
 def engine_stats(llm) -> dict:
     """Counters of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``scheduler`` (blocks held at most,
-    peak running requests, preemptions) and ``worker`` (rows admitted, evictions, dense rows, times in seconds).
+    peak running requests, preemptions, shrinks), ``workers`` (one dict per worker, from each worker's process
+    through ``collective_rpc``: rows admitted and released, rows live, evictions, dense rows, times in seconds) and
+    ``worker`` (the first of them).
 
     Raises:
-        RuntimeError: the engine core runs in another process (its counters are there).
+        RuntimeError: the engine core runs in another process (its scheduler's counters are there).
     """
-    from . import state
-
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     if core is None:
         raise RuntimeError("engine_stats needs an in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
     sched = core.scheduler
-    ws = state.ACTIVE
+    workers = []
+    if str(llm.llm_engine.vllm_config.parallel_config.worker_cls) == WORKER_CLS:  # else stock vLLM: no vase counters
+        workers = [w for w in llm.collective_rpc("vase_stats") if w is not None]
     return {
         "scheduler": dict(getattr(sched, "vase_stats", {})),
-        "worker": dict(ws.stats) if ws is not None else None,
+        "worker": workers[0] if workers else None,
+        "workers": workers,
     }
 
 

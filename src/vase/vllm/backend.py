@@ -3,10 +3,11 @@
 Registered in place of vLLM's ``CPU_ATTN`` by the plugin's entry point (:func:`vase.vllm.register`), in every process.
 Subclasses of vLLM's classes (``v1/attention/backends/cpu_attn.py``), each calling the original:
 
-* :class:`VaseCPUAttentionMetadataBuilder`: when the worker made a plan for the step, the metadata gets the plan's
-  physical ``seq_lens``, slot mapping and block table (the null block for dense rows), so vLLM's kernel scheduler
-  metadata is computed from physical lengths; logical positions (RoPE) are untouched. Without a plan (vase not
-  configured, dummy and profiling runs) it is the stock builder.
+* :class:`VaseCPUAttentionMetadataBuilder`: when the worker made a plan for the step, the metadata of a
+  full-attention KV cache group gets the plan's physical ``seq_lens``, that group's slot mapping and block table (the
+  null block for dense rows), so vLLM's kernel scheduler metadata is computed from physical lengths; logical
+  positions (RoPE) are untouched. Without a plan (vase not configured, dummy and profiling runs) and for
+  sliding-window groups (vLLM bounds them itself) it is the stock builder.
 * :class:`VaseCPUAttentionImpl`: writes the step's new keys and values at the plan's physical slots (the backend
   sets ``forward_includes_kv_cache_update``, so vLLM's layer does not write them at logical slots), runs vLLM's kernel,
   then :mod:`vase.vllm.compact` (ring, dense rows, eviction). Without a plan it writes at the runner's slots and runs
@@ -30,6 +31,7 @@ from . import compact
 from . import state as st
 from .paged import CHECKED_ISAS
 from .settings import settings_from
+from .spec import VaseFullAttentionSpec
 
 
 class VaseCPUAttentionBackend(CPUAttentionBackend):
@@ -62,6 +64,9 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.vase = settings_from(vllm_config)
+        self.vase_layers = list(layer_names)
+        if not isinstance(kv_cache_spec, VaseFullAttentionSpec):  # a sliding-window group: vLLM's own metadata
+            self.vase = None
         if self.vase is not None and self.vase.evicts and self.isa not in CHECKED_ISAS:
             raise ValueError(
                 f"vase: the CPU attention ISA {self.isa!r} stores the KV cache in a layout vase has not been checked "
@@ -77,24 +82,26 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         cm = common_attn_metadata
         if cm.num_reqs != plan.num_reqs:
             raise RuntimeError(f"vase: the step plan has {plan.num_reqs} requests, the metadata {cm.num_reqs}")
+        layout = plan.layouts[ws.layer_group[self.vase_layers[0]]]
         table = cm.block_table_tensor
         if plan.dense.any() or plan.shifted.any():
             table = table.clone()
             if plan.shifted.any():  # rows past their front blocks (prefix caching): their blocks from there on
                 rows = torch.from_numpy(plan.shifted)
-                nb = min(plan.block_rows.shape[1], table.shape[1])
-                table[rows, :nb] = plan.block_rows[rows, :nb].to(table.dtype)
+                nb = min(layout.block_rows.shape[1], table.shape[1])
+                table[rows, :nb] = layout.block_rows[rows, :nb].to(table.dtype)
             # dense rows: the kernel reads the null block; their output is replaced afterwards
             table[torch.from_numpy(plan.dense)] = 0
         cm = dataclasses.replace(
             cm,
             seq_lens=plan.seq_lens,
             max_seq_len=int(plan.seq_lens.max()),
-            slot_mapping=plan.slot_mapping,
+            slot_mapping=layout.slot_mapping,
             block_table_tensor=table,
         )
         md = super().build(common_prefix_len, cm, fast_build)
         md.vase_plan = plan
+        md.vase_layout = layout
         ws.stats["t_build"] += time.perf_counter() - t
         return md
 
@@ -102,9 +109,12 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention impl, plus the write at physical slots and the eviction (see the module docstring).
 
+    Learned sinks (gpt-oss) are the kernel's; the eviction scores leave them out, as vase on transformers does (a
+    sink only adds to each softmax's denominator: the order of one query's weights over the keys is unchanged).
+
     Raises:
-        ValueError: at the first step with vase, a layer with a sliding window, ALiBi, a logit soft-cap or learned
-            sinks (the eviction scores would not see what the kernel computes).
+        ValueError: at the first step with vase, a full-attention layer with a sliding window, ALiBi or a logit
+            soft-cap (the eviction scores would not see what the kernel computes).
     """
 
     _vase_layer: int | None = None
@@ -132,30 +142,27 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         plan = getattr(attn_metadata, "vase_plan", None)
         if plan is not None:
             t = time.perf_counter()
-            self._after_attention(layer, query[:n], key[:n], value[:n], kv_cache, plan, output)
+            self._after_attention(
+                layer, query[:n], key[:n], value[:n], kv_cache, plan, attn_metadata.vase_layout, output
+            )
             st.ACTIVE.stats["t_after"] += time.perf_counter() - t
         return output
 
-    def _after_attention(self, layer, q, k, v, kv_cache, plan, output) -> None:
+    def _after_attention(self, layer, q, k, v, kv_cache, plan, layout, output) -> None:
         ws = st.ACTIVE
         if self._vase_layer is None:
-            if (
-                self.sliding_window != -1
-                or self.alibi_slopes is not None
-                or self.logits_soft_cap
-                or self.sinks is not None
-            ):
+            if self.sliding_window not in (-1, None) or self.alibi_slopes is not None or self.logits_soft_cap:
                 raise ValueError(
-                    f"vase: layer {layer.layer_name} uses a sliding window, ALiBi, a logit soft-cap or learned sinks, "
-                    "which eviction does not support"
+                    f"vase: layer {layer.layer_name} uses a sliding window, ALiBi or a logit soft-cap, which eviction "
+                    "does not support in a full-attention layer"
                 )
             self._vase_layer = ws.layer_index[layer.layer_name]
         li = self._vase_layer
         compact.save_queries(ws, li, q, plan)
         dense = {}
         for r in plan.dense.nonzero()[0].tolist():
-            dense[r] = compact.attend_dense(ws, li, q, k, v, kv_cache, output, plan, r, self.scale)
+            dense[r] = compact.attend_dense(ws, li, q, k, v, kv_cache, output, plan, layout, r, self.scale, self.sinks)
         if plan.evict.any():
             t = time.perf_counter()
-            compact.evict_rows(ws, li, layer, kv_cache, plan, dense, self.scale, self.kv_cache_dtype)
+            compact.evict_rows(ws, li, layer, kv_cache, plan, layout, dense, self.scale, self.kv_cache_dtype)
             ws.stats["t_evict"] += time.perf_counter() - t

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..core.evict import gather_kept
 from ..core.sequence import budget_groups
 from .paged import gather, write_front
-from .state import PagedStep, WorkerState
+from .state import GroupLayout, PagedStep, WorkerState
 
 
 def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> None:
@@ -33,19 +33,22 @@ def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> 
         ring.write(li, plan.ring, q[plan.ring_tok])
 
 
-def attend_dense(ws, li, q, k, v, kv_cache, output, plan: PagedStep, r: int, scale: float):
+def attend_dense(
+    ws, li, q, k, v, kv_cache, output, plan: PagedStep, layout: GroupLayout, r: int, scale: float, sinks=None
+):
     """Attention of dense row ``r`` over its held entries and its new ones, written into ``output``; returns its
     keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]`` and state for the eviction that follows.
 
     The new tokens attend causally at their offset (query ``i`` sees the held entries and new tokens ``<= i``), as
-    transformers' attention over the cache and the new tokens does before vase compresses them.
+    transformers' attention over the cache and the new tokens does before vase compresses them. ``sinks``: a learned
+    sink logit per query head (gpt-oss), one more term of each softmax's denominator, as vLLM's kernel computes it.
     """
     fb = int(plan.fill_before[r])
     a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
     n = b - a
     h, hq = k.shape[1], q.shape[1]
     if fb:
-        kh, vh = gather(kv_cache, plan.block_rows[r : r + 1], fb)
+        kh, vh = gather(kv_cache, layout.block_rows[r : r + 1], fb)
         kh, vh = kh[0], vh[0]
     else:
         kh = vh = k.new_zeros(h, 0, k.shape[-1])
@@ -55,10 +58,16 @@ def attend_dense(ws, li, q, k, v, kv_cache, output, plan: PagedStep, r: int, sca
     qh = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     kr = keys.repeat_interleave(g, dim=0).unsqueeze(0)
     vr = values.repeat_interleave(g, dim=0).unsqueeze(0)
-    if fb == 0:
+    mask = torch.arange(fb + n).view(1, -1) <= (fb + torch.arange(n)).view(-1, 1)
+    if sinks is not None:
+        logits = torch.matmul(qh.float(), kr.float().transpose(-1, -2)) * scale
+        logits = logits.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, hq, 1, 1).expand(1, hq, n, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        o = torch.matmul(probs, vr.float())
+    elif fb == 0:
         o = F.scaled_dot_product_attention(qh, kr, vr, is_causal=True, scale=scale)
     else:
-        mask = torch.arange(fb + n).view(1, -1) <= (fb + torch.arange(n)).view(-1, 1)
         o = F.scaled_dot_product_attention(qh, kr, vr, attn_mask=mask, scale=scale)
     output[a:b] = o[0].transpose(0, 1).reshape(output[a:b].shape).to(output.dtype)
     held_pos, held_state = _held(ws, li, plan, [r], fb)
@@ -77,14 +86,16 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
     return ws.seq.tables.held(li, rows, length, never_evicted=fresh)
 
 
-def evict_rows(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale: float, kv_cache_dtype: str) -> None:
-    """Compact the evicting rows of the step in layer ``li`` (see the module docstring): one eviction per budget
-    among them (requests with budgets of their own, ``vase_budget``)."""
+def evict_rows(
+    ws, li, layer, kv_cache, plan: PagedStep, layout: GroupLayout, dense: dict, scale: float, kv_cache_dtype: str
+) -> None:
+    """Compact the evicting rows of the step in layer ``li`` (its KV cache group's ``layout``; see the module
+    docstring): one eviction per budget among them (requests with budgets of their own, ``vase_budget``)."""
     for group in budget_groups(plan.schedule, list(plan.schedule.evict), ws.seq.schedule):
-        _evict_group(ws, li, layer, kv_cache, plan, dense, scale, kv_cache_dtype, group)
+        _evict_group(ws, li, layer, kv_cache, plan, layout, dense, scale, kv_cache_dtype, group)
 
 
-def _evict_group(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale, kv_cache_dtype, ev: list[int]) -> None:
+def _evict_group(ws, li, layer, kv_cache, plan, layout, dense: dict, scale, kv_cache_dtype, ev: list[int]) -> None:
     """Compact the rows ``ev`` (batch rows sharing a budget) in layer ``li``."""
     rows = plan.rows[torch.tensor(ev, dtype=torch.long)]
     lengths = [int(plan.fill_before[r] + plan.n[r]) for r in ev]
@@ -102,7 +113,7 @@ def _evict_group(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale, k
     paged = [i for i, r in enumerate(ev) if not plan.dense[r]]
     if paged:
         sp = max(lengths[i] for i in paged)
-        kp, vp = gather(kv_cache, plan.block_rows[torch.tensor([ev[i] for i in paged])], sp)
+        kp, vp = gather(kv_cache, layout.block_rows[torch.tensor([ev[i] for i in paged])], sp)
         keys[paged, :, :sp], values[paged, :, :sp] = kp, vp
     for i, r in enumerate(ev):
         if plan.dense[r]:
@@ -113,5 +124,5 @@ def _evict_group(ws, li, layer, kv_cache, plan: PagedStep, dense: dict, scale, k
                 state[name][i, :, :length] = t
     res = ws.seq.evict(li, plan.schedule, ev, keys, values, positions, valid, state, scaling=scale, rows=rows)
     kk, vv, pp, st = gather_kept(res.indices, res.keep, keys, values, positions, res.state)
-    write_front(kv_cache, plan.write_rows[torch.tensor(ev, dtype=torch.long)], kk, vv, layer, kv_cache_dtype)
+    write_front(kv_cache, layout.write_rows[torch.tensor(ev, dtype=torch.long)], kk, vv, layer, kv_cache_dtype)
     ws.seq.tables.write_kept(li, rows, pp, st)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 
 from . import metrics
 from .admission import Demand, plan_admission
@@ -140,15 +140,21 @@ class VaseScheduler(Scheduler):
     a request held above its cap: 0 or less), ``peak_running``, ``preemptions``, ``trimmed`` (blocks given back
     early: dense prompts cut back to the cap, shrunk requests), ``shrinks`` (running requests whose budget was lowered),
     ``admitted_below_budget`` (requests admitted below the budget they asked for), ``min_budget_held`` (the smallest
-    budget a request held), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the
+    budget a request held), ``groups_capped`` / ``groups_sliding`` (KV cache groups vase caps, sliding-window groups
+    left to vLLM), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the
     running requests hold after the last step, and ``ceil(tokens / block_size)`` summed over them: what plain vLLM
     would hold) and their peaks ``peak_kv_blocks_held`` / ``peak_kv_blocks_without_eviction``; the same on
     ``/metrics`` (:mod:`vase.vllm.metrics`). Without vase in ``additional_config`` it is the stock scheduler plus these
     counters (the benchmark's plain engine uses it that way).
 
+    Only the full-attention KV cache groups are capped; a hybrid model's sliding-window groups stay vLLM's (their
+    blocks out of the window go back as the request moves on), and elastic admission counts their window with each
+    request.
+
     Raises:
         VaseConfigError: at engine start, for a configuration :func:`vase.vllm.settings.settings_from` refuses.
-        ValueError: a KV cache manager other than full attention (a model with other layer kinds).
+        ValueError: a KV cache manager other than full attention or a sliding window (a model with other layer
+            kinds), or no full-attention layer.
     """
 
     def __init__(self, vllm_config, *args, **kwargs):
@@ -174,12 +180,27 @@ class VaseScheduler(Scheduler):
         self._vase_shrinking: set[str] = set()
         if self.vase is None or not self.vase.evicts:
             return
+        self._vase_others = []  # sliding-window managers: vLLM bounds them (blocks out of the window go back)
         for m in self.kv_cache_manager.coordinator.single_type_managers:
+            if type(m) is SlidingWindowManager:
+                self._vase_others.append(m)
+                continue
             if type(m) is not FullAttentionManager:
-                raise ValueError(f"vase: KV cache manager {type(m).__name__} is not full attention")
+                raise ValueError(
+                    f"vase: KV cache manager {type(m).__name__} is neither full attention (which vase caps) nor a "
+                    "sliding window (which vLLM bounds)"
+                )
             m.__class__ = CappedFullAttentionManager
             m.vase, m.vase_caps, m.vase_trims, m.vase_fronts, m.vase_stats = self.vase, {}, {}, {}, self.vase_stats
             self._vase_managers.append(m)
+        if not self._vase_managers:
+            raise ValueError("vase: the model has no full-attention layer to evict")
+        self._vase_all = self._vase_managers + self._vase_others
+        # the first capped group's index among the coordinator's groups (its prefix-cache hits)
+        self._vase_group = list(self.kv_cache_manager.coordinator.single_type_managers).index(self._vase_managers[0])
+        self.vase_stats["groups_capped"] = len(self._vase_managers)
+        self.vase_stats["groups_sliding"] = len(self._vase_others)
+        self._vase_window_specs = [m.kv_cache_spec for m in self._vase_others]
         self.vase_stats["cap_blocks"] = self.vase.cap_blocks
         logger.info("vase: %s", self.vase.describe())
 
@@ -216,59 +237,99 @@ class VaseScheduler(Scheduler):
                 # after its first eviction
                 m.vase_trims[rid] = (s.first_eviction(req.prompt, budget), front, front + steady)
 
+    def _vase_extra(self, req: _Request | None) -> int:
+        """Blocks a request's sliding-window groups hold at most (its window plus the tokens of its prefill step, at
+        most its length; vLLM's own bound): elastic admission counts them."""
+        if req is None or not self._vase_window_specs:
+            return 0
+        whole = -(-req.max_len // self.vase.block_size)
+        step = max(1, min(req.prompt, self.scheduler_config.max_num_batched_tokens))
+        return sum(
+            min(whole, w.max_admission_blocks_per_request(step, self.max_model_len)) for w in self._vase_window_specs
+        )
+
     def _vase_elastic(self) -> dict:
         """The step's elastic plan (:func:`vase.vllm.admission.plan_admission`): caps of the waiting requests it
-        admits, shrinks of running requests; returns ``{request id: new budget}`` of the shrunk ones."""
+        admits, shrinks of running requests; returns ``{request id: new budget}`` of the shrunk ones.
+
+        Blocks are counted as the pool holds them: a block shared by ``k`` requests (a prompt prefix, with prefix
+        caching) counts ``1 / k`` for each, and a waiting request's prefix-cache hits on blocks in use cost nothing;
+        the sliding-window groups of a hybrid model count with each request's window."""
         s, m = self.vase, self._vase_managers[0]
+        groups = len(self._vase_managers)  # every full-attention group holds the same caps
         room = self.max_num_active_reqs - len(self.running)
         if room <= 0:
             return {}
         waiting = [r for _, r in zip(range(room), self.waiting) if r.request_id in self._vase_reqs]
         if not waiting:
             return {}
-        running, current, held = [], {}, 0
+        running, current = [], {}
         for r in self.running:
             rid = r.request_id
             req = self._vase_reqs.get(rid)
-            live = m.live_blocks(rid)
-            held += live
+            extra = self._vase_extra(req)
             if rid in self._vase_shrinking and rid not in m.vase_trims:
                 self._vase_shrinking.discard(rid)  # its trim is done
             if req is None or req.budget is None:
-                running.append(Demand(rid, ((0, live),)))
+                running.append(Demand(rid, ((0, _share(self._vase_all, rid)),)))
             elif rid in self._vase_shrinking:  # its blocks past the new cap go back before anyone is admitted
                 _, first, end = m.vase_trims[rid]
-                running.append(Demand(rid, ((req.budget, end - first),)))
+                running.append(Demand(rid, ((req.budget, (end - first) * groups + extra),)))
             elif rid in m.vase_trims or r.num_computed_tokens < r.num_prompt_tokens:
-                running.append(Demand(rid, ((req.budget, live),)))  # a dense prompt, a prefill: cannot shrink now
+                # a dense prompt until its first eviction, a prefill: cannot shrink now, counts what it holds
+                running.append(Demand(rid, ((req.budget, _share(self._vase_all, rid) + extra),)))
             else:
                 steps = [b for b in s.ladder(req.target) if b <= req.budget]
-                whole = -(-req.max_len // s.block_size)  # past its first eviction: the cap of its budget
-                running.append(Demand(rid, tuple((b, min(s.cap_blocks_for(b), whole)) for b in steps)))
+                running.append(Demand(rid, tuple((b, self._vase_cap(req, b) * groups + extra) for b in steps)))
                 current[rid] = req.budget
         queued = []
         for r in waiting:
             req = self._vase_reqs[r.request_id]
+            extra = self._vase_extra(req) - self._vase_shared_hits(r) * groups
             if req.target is None:
-                queued.append(Demand(r.request_id, ((0, self._vase_blocks(req, None)),)))
+                queued.append(Demand(r.request_id, ((0, self._vase_blocks(req, None) * groups + extra),)))
             else:
-                queued.append(Demand(r.request_id, tuple((b, self._vase_blocks(req, b)) for b in s.ladder(req.target))))
-        usable = self.kv_cache_manager.block_pool.get_num_free_blocks() + held - self.kv_cache_manager.watermark_blocks
+                steps = s.ladder(req.target)
+                queued.append(
+                    Demand(r.request_id, tuple((b, self._vase_blocks(req, b) * groups + extra) for b in steps))
+                )
+        pool = self.kv_cache_manager.block_pool
+        usable = pool.num_gpu_blocks - 1 - self.kv_cache_manager.watermark_blocks  # free and held, less the watermark
         plan = plan_admission(running, queued, usable, current)
         for rid, (budget, _) in plan.admit.items():
             if self._vase_reqs[rid].target is not None:
                 self._vase_assign(rid, budget)
+        hold = (pool.num_gpu_blocks + 1) * s.block_size  # more than the pool: vLLM's own admission check fails
+        for r in waiting:  # the plan's word is final: a request it did not admit waits, even if its first blocks fit
+            if r.request_id not in plan.admit:
+                for mgr in self._vase_managers:
+                    mgr.vase_caps[r.request_id] = hold
         changes = {}
-        for rid, (budget, blocks) in plan.shrink.items():
-            req = self.requests[rid]
-            self._vase_reqs[rid].budget = budget
-            front = self.vase.front_blocks(self._vase_reqs[rid].prompt)
-            for mgr in self._vase_managers:  # once its next step has run, it holds `blocks` after its front
-                mgr.vase_trims[rid] = (req.num_computed_tokens + 1, front, front + blocks)
+        for rid, (budget, _) in plan.shrink.items():
+            req, own = self.requests[rid], self._vase_reqs[rid]
+            own.budget = budget
+            front, cap = s.front_blocks(own.prompt), self._vase_cap(own, budget)
+            for mgr in self._vase_managers:  # once its next step has run, it holds `cap` blocks after its front
+                mgr.vase_trims[rid] = (req.num_computed_tokens + 1, front, front + cap)
             self._vase_shrinking.add(rid)
             changes[rid] = budget
         self.vase_stats["shrinks"] += len(changes)
         return changes
+
+    def _vase_cap(self, req: _Request, budget: int) -> int:
+        """Blocks of one full-attention group a request holds past its first eviction at ``budget``."""
+        return min(self.vase.cap_blocks_for(budget), -(-req.max_len // self.vase.block_size))
+
+    def _vase_shared_hits(self, request) -> int:
+        """A waiting request's prefix-cache hits on blocks other requests hold now (prefix caching): they cost it no
+        block of the pool."""
+        if not self.vase.prefix_caching or request.num_computed_tokens:
+            return 0
+        blocks, hit, *_ = self._get_local_prefix_cache_hit(request)
+        if not hit:
+            return 0
+        g = self._vase_group
+        return sum(1 for b in blocks.blocks[g] if b.ref_cnt > 0) if g < len(blocks.blocks) else 0
 
     def _get_local_prefix_cache_hit(self, request):
         """vLLM's prefix-cache hit, less the prompt's last ``window`` tokens (their queries score the request's first
@@ -334,6 +395,12 @@ class VaseScheduler(Scheduler):
             for rid in [r for r in self._vase_reqs if r not in self.requests]:
                 del self._vase_reqs[rid]
                 self._vase_shrinking.discard(rid)
+
+
+def _share(managers, request_id: str) -> float:
+    """Blocks of the pool a request holds in the given KV cache groups, a block shared by ``k`` requests counting
+    ``1 / k``."""
+    return sum(1 / max(b.ref_cnt, 1) for m in managers for b in m.req_to_blocks.get(request_id, ()) if not b.is_null)
 
 
 def blocks_in_use(scheduler) -> int:

@@ -22,7 +22,8 @@ import runpy
 import sys
 import tempfile
 
-from .settings import REQUEST_FIELDS, SCHEDULER_CLS, SPEC_ENV, WORKER_CLS, VaseConfigError, parse
+from .rules import SCHEDULER_CLS, WORKER_CLS
+from .settings import REQUEST_FIELDS, SPEC_ENV, VaseConfigError, parse
 
 USAGE = "usage: python -m vase.vllm.serve MODEL [vLLM flags] --vase SPEC   (e.g. --vase vase:budget=256:buffer=64)"
 

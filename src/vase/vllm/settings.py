@@ -28,9 +28,9 @@ plain vLLM's). The front end checks them against the limits the engine was start
 in the environment variable :data:`SPEC_ENV`), so a request over the limit is refused with a 400 before the engine
 sees it.
 
-:func:`settings_from` then checks the rules the engine must follow (block size, prefix caching, speculative
-decoding, parallelism, the model's layer kinds, the plugin's scheduler and worker classes) and raises one
-:class:`VaseConfigError` naming every broken rule.
+:func:`settings_from` then checks the rules the engine must follow (:mod:`vase.vllm.rules`: block size, prefix
+caching, speculative decoding, parallelism, the model's layer kinds, the plugin's scheduler and worker classes) and
+raises one :class:`VaseConfigError` naming every broken rule.
 """
 
 from __future__ import annotations
@@ -44,11 +44,9 @@ from dataclasses import dataclass, field
 from ..core.config import VaseConfig
 from ..core.policies import parse_policy_spec
 from ..core.schedule import first_limit
+from .rules import BLOCK_MULTIPLE, check_engine, check_policy
 
-SCHEDULER_CLS = "vase.vllm.scheduler.VaseScheduler"
-WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
 REQUEST_FIELDS = "vase.vllm.requests:VaseRequestFields"  # a logits processor that only validates (vase.vllm.requests)
-BLOCK_MULTIPLE = 32  # the CPU attention kernel's block sizes: MultipleOf(32) (cpu_attn.py)
 SIZE_KEYS = ("budget", "buffer", "sinks", "window", "compress_prompt")
 SPEC_ENV = "VASE_ENGINE_SPEC"  # the engine's vase configuration (JSON), for the front end's request check
 ADMISSIONS = ("elastic", "reserve", "grow")
@@ -398,74 +396,6 @@ def parse(raw) -> tuple[VaseConfig, dict]:
     if min_budget is not None:
         engine["min_budget"] = min_budget
     return config, engine
-
-
-def check_policy(config: VaseConfig) -> list[str]:
-    """The policy rules of the CPU engine, as a list of broken ones (empty: fine)."""
-    policy, problems = config.policy, []
-    if policy.sparse is not None:
-        problems.append(
-            f"the selection policy {policy.name!r} attends to a different subset per query head and step, which the "
-            "CPU attention kernel cannot express (one length per request for all heads): use an evicting policy"
-        )
-    if policy.adaptive_budgets:
-        problems.append(
-            "per-head or per-layer budgets (head_budget=adakv, layer_budget=pyramid) are not supported: the CPU "
-            "attention kernel takes one length per request for all heads and layers share one block table"
-        )
-    if policy.options.get("kv_bits") is not None:
-        problems.append("quantized entries (kv_bits) are not supported in vLLM: vLLM's own kv_cache_dtype holds them")
-    return problems
-
-
-def check_engine(vllm_config, config: VaseConfig | None = None) -> list[str]:
-    """The engine rules for an evicting policy (``config``: its configuration), as a list of broken ones (empty:
-    fine)."""
-    cc, sc, pc, mc = (
-        vllm_config.cache_config,
-        vllm_config.scheduler_config,
-        vllm_config.parallel_config,
-        vllm_config.model_config,
-    )
-    problems = []
-    if cc.block_size is None or cc.block_size % BLOCK_MULTIPLE:
-        problems.append(f"block_size {cc.block_size}: the CPU attention kernel needs a multiple of {BLOCK_MULTIPLE}")
-    if cc.enable_prefix_caching and (config is None or config.compress_prompt):
-        problems.append(
-            "prefix caching shares a prompt's blocks between requests, and this policy compresses prompts at prefill "
-            "(they are never held whole): use a policy that keeps the prompt dense (prompt=dense, as "
-            "vase:preset=paper) or pass enable_prefix_caching=False (--no-enable-prefix-caching)"
-        )
-    if vllm_config.speculative_config is not None:
-        problems.append(
-            "speculative decoding is not supported (draft tokens are written past the physical fill and rejected ones "
-            "rolled back): remove speculative_config"
-        )
-    if cc.cache_dtype != "auto":
-        problems.append(f"kv_cache_dtype {cc.cache_dtype!r}: only 'auto' (the model's dtype) is supported")
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        problems.append("Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) is not supported: the hooks are in the V1 runner")
-    if pc.pipeline_parallel_size != 1:
-        problems.append(
-            "pipeline parallelism is not supported: each worker would hold some layers of a request, and the step's "
-            "plan is made per worker for all of them (tensor and data parallelism are supported)"
-        )
-    if mc.get_sliding_window() is not None or mc.is_hybrid or mc.is_attention_free:
-        problems.append(
-            "sliding-window, hybrid and attention-free models are not supported: every layer must be full attention"
-        )
-    if mc.is_encoder_decoder:
-        problems.append("encoder-decoder models are not supported")
-    if str(sc.scheduler_cls) != SCHEDULER_CLS:
-        problems.append(
-            f"scheduler_cls={SCHEDULER_CLS!r} is required (it caps each request's KV blocks); got {sc.scheduler_cls!r}"
-            " (vase.vllm.engine_args() fills it in)"
-        )
-    if str(pc.worker_cls) != WORKER_CLS:
-        problems.append(
-            f"worker_cls={WORKER_CLS!r} is required (it keeps each request's eviction state); got {pc.worker_cls!r}"
-        )
-    return problems
 
 
 def settings_from(vllm_config) -> EngineSettings | None:

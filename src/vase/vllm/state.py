@@ -74,6 +74,19 @@ def eviction_seed(req_id: str, sampling_params) -> int:
 
 
 @dataclass
+class GroupLayout:
+    """Where a step's rows live in one KV cache group of full-attention layers (each group has its own block ids;
+    the caps, fills and slots are the same in every group). ``block_rows`` ``[R, nb]`` the block ids of each row's
+    physical slots now (read, written, attended); ``write_rows`` ``[R, nb]`` those after an eviction in this step
+    (past the row's front blocks, with prefix caching); ``slot_mapping`` ``[T]`` int64 the physical slot of each new
+    token (-1 for dense rows: not written)."""
+
+    block_rows: torch.Tensor
+    write_rows: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass
 class PagedStep:
     """What one engine step does in the paged cache, per batch row ``r`` (the runner's ``input_batch`` order) and per
     new token: the sequence model's step plus the physical layout.
@@ -84,12 +97,10 @@ class PagedStep:
     step's attention), ``dense`` (bool: the row's entries do not fit in its blocks, so it is attended outside the
     paged cache and compressed), ``shifted`` (bool: the row's physical slot 0 is past its front blocks, kept for the
     prefix cache: :meth:`vase.vllm.settings.EngineSettings.front_blocks`), ``qsl`` ``[R+1]`` query start locations.
-    Tensors: ``rows`` ``[R]`` pool rows; ``block_rows`` ``[R, nb]`` the block ids of each row's physical slots now
-    (read, written, attended); ``write_rows`` ``[R, nb]`` those after an eviction in this step (past the front
-    blocks); ``seq_lens`` ``[R]`` int32 for the kernel (physical; ``n`` for dense rows,
-    which the kernel runs over the null block and whose output is replaced); ``slot_mapping`` ``[T]`` int64 physical
-    slots (-1 for dense rows: not written); ``positions`` ``[T]`` logical. ``ring``: where the step's saved queries go
-    (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the token of each.
+    Tensors: ``rows`` ``[R]`` pool rows; ``layouts``: KV cache group -> :class:`GroupLayout` (block ids and slots
+    of each full-attention group); ``seq_lens`` ``[R]`` int32 for the kernel (physical; ``n`` for dense rows, which
+    the kernel runs over the null block and whose output is replaced); ``positions`` ``[T]`` logical. ``ring``:
+    where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the token of each.
     """
 
     schedule: StepSchedule
@@ -104,11 +115,9 @@ class PagedStep:
     keep: np.ndarray
     evict: np.ndarray
     dense: np.ndarray
-    block_rows: torch.Tensor
-    write_rows: torch.Tensor
+    layouts: dict
     shifted: np.ndarray
     seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
     positions: torch.Tensor
     ring: RingWrite | None = None
     ring_tok: torch.Tensor | None = None
@@ -134,6 +143,8 @@ class WorkerState:
         self.free_rows: list[int] = []
         self.front = np.zeros(0, dtype=np.int64)  # per row: blocks never rewritten (settings.front_blocks)
         self.layer_index: dict[str, int] = {}
+        self.groups: dict[int, list[str]] = {0: []}  # KV cache group -> its evicting layers
+        self.layer_group: dict[str, int] = {}
         self.dims: tuple | None = None
         self.seq: Sequences | None = None
         self.plan: PagedStep | None = None
@@ -165,11 +176,15 @@ class WorkerState:
         dtype,
         layer_ids: list[int] | None = None,
         head_offset: int = 0,
+        groups: dict[int, list[str]] | None = None,
     ) -> None:
         """Set the layers (in model order; ``layer_ids``: their model indices, which key the random choices, default
         ``0 .. L-1``) and the shapes (``kv_heads``, ``q_heads``: this worker's share with tensor parallelism,
-        ``head_offset``: the model's index of its first KV head); the tables are made for the first rows."""
+        ``head_offset``: the model's index of its first KV head; ``groups``: the KV cache groups of these layers,
+        group index -> layer names, default one group 0); the tables are made for the first rows."""
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.groups = dict(groups) if groups else {0: list(layer_names)}
+        self.layer_group = {name: g for g, names in self.groups.items() for name in names}
         self.dims = (len(layer_names), kv_heads, q_heads, head_dim, dtype)
         ids = list(range(len(layer_names))) if layer_ids is None else list(layer_ids)
         self.seq = Sequences(self.s.config, ids, head_offset=head_offset)

@@ -5,7 +5,9 @@ re-classed to :class:`VaseCPUModelRunner` (no state of its own besides the :clas
 which overrides four methods of vLLM's V1 runner (``v1/worker/gpu_model_runner.py``) and calls each original:
 
 * ``get_kv_cache_spec``: full-attention layers get :class:`vase.vllm.spec.VaseFullAttentionSpec` (memory by the cap);
-* ``initialize_kv_cache``: the layers, in model order, and the shapes of the per-request tables;
+  sliding-window layers keep vLLM's spec (vLLM frees their blocks out of the window itself);
+* ``initialize_kv_cache``: the evicting layers (those of the full-attention KV cache groups), in model order, and the
+  shapes of the per-request tables;
 * ``_update_states``: finished, aborted and preempted requests free their row; new and resumed ones get a fresh row
   (a resumed request is recomputed from its first token, so its state starts over);
 * ``_prepare_inputs``: once the batch rows are final (``input_batch.req_ids``) and the block table committed, the
@@ -23,7 +25,7 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -53,6 +55,21 @@ class VaseCPUWorker(CPUWorker):
             self.model_runner.vase_state = st.WorkerState(self.vase, self.scheduler_config.max_num_seqs, first)
             st.ACTIVE = self.model_runner.vase_state
 
+    def vase_stats(self) -> dict | None:
+        """This worker's counters (``LLM.collective_rpc("vase_stats")``, one dict per worker, any executor): rows
+        admitted and released, evictions, the most blocks a row held, times in seconds; ``live_rows`` (requests it
+        holds now), ``layers`` (its evicting layers), ``head_offset`` (the model's index of its first KV head); None
+        without vase."""
+        ws = getattr(self.model_runner, "vase_state", None)
+        if ws is None:
+            return None
+        return {
+            **ws.stats,
+            "live_rows": len(ws.row_of),
+            "layers": len(ws.layer_index),
+            "head_offset": ws.seq.head_offset if ws.seq else 0,
+        }
+
 
 class VaseCPUModelRunner(CPUModelRunner):
     """vLLM's ``CPUModelRunner`` plus per-request eviction state and a per-step plan (see the module docstring)."""
@@ -65,21 +82,33 @@ class VaseCPUModelRunner(CPUModelRunner):
         cap = settings.table_tokens  # the largest cap a request may ask for
         if not settings.config.compress_prompt or settings.allow_full:  # a request may hold up to the model length
             cap = 0
-        out = {}
+        out, full = {}, 0
         for name, spec in specs.items():
-            if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+            if type(spec) is FullAttentionSpec and spec.sliding_window is None:
+                out[name] = VaseFullAttentionSpec.from_spec(spec, cap)
+                full += 1
+            elif type(spec) is SlidingWindowSpec:
+                out[name] = spec  # a sliding window: vLLM bounds it itself (its blocks out of the window go back)
+            else:
                 raise ValueError(
-                    f"vase: layer {name} has a {type(spec).__name__}; only full-attention layers can evict"
+                    f"vase: layer {name} has a {type(spec).__name__}: vase evicts full-attention layers and leaves "
+                    "sliding-window layers to vLLM; other layer kinds are not supported"
                 )
-            out[name] = VaseFullAttentionSpec.from_spec(spec, cap)
+        if not full:
+            raise ValueError(
+                "vase: this model has no full-attention layer to evict (every layer uses a sliding-window, which vLLM "
+                "bounds itself): serve it without vase"
+            )
         return out
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"vase: one KV cache group expected (all layers full attention), got {len(groups)}")
-        names = sorted(groups[0].layer_names, key=extract_layer_index)
+        groups = {
+            g: list(group.layer_names)
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+            if isinstance(group.kv_cache_spec, VaseFullAttentionSpec)
+        }
+        names = sorted((n for layer_names in groups.values() for n in layer_names), key=extract_layer_index)
         mc, pc = self.model_config, self.parallel_config
         # with tensor parallelism this worker holds a share of the KV heads (rank r: from head r * total / tp; a
         # head is replicated when there are fewer heads than ranks): random choices are keyed by the model's index
@@ -92,8 +121,11 @@ class VaseCPUModelRunner(CPUModelRunner):
             mc.dtype,
             layer_ids=[extract_layer_index(name) for name in names],
             head_offset=offset,
+            groups=groups,
         )
-        logger.info("vase: %s; %d layers", self.vase_state.s.describe(), len(names))
+        others = len(kv_cache_config.kv_cache_groups) - len(groups)
+        kept = f", {others} sliding-window group(s) left to vLLM" if others else ""
+        logger.info("vase: %s; %d layers evict%s", self.vase_state.s.describe(), len(names), kept)
 
     def _update_states(self, scheduler_output):
         s = self.vase_state
@@ -147,7 +179,8 @@ class VaseCPUModelRunner(CPUModelRunner):
         np.cumsum(n, out=qsl[1:])
         logical_before = self.input_batch.num_computed_tokens_cpu[:R].astype(np.int64)
         schedule = seq.schedule.plan(rows.tolist(), n.tolist(), seen_before=logical_before.tolist())
-        bt = self.input_batch.block_table[0]
+        groups = list(s.groups)  # the KV cache groups of full-attention layers: the same caps, their own block ids
+        bt = self.input_batch.block_table[groups[0]]
         bs = bt.block_size
         held = bt.num_blocks_per_row[:R].astype(np.int64)
         s.stats["max_blocks_per_row"] = max(s.stats["max_blocks_per_row"], int(held.max(initial=0)))
@@ -165,12 +198,6 @@ class VaseCPUModelRunner(CPUModelRunner):
             bad = [req_ids[i] for i in np.nonzero(dense & ~evict)[0]]
             raise RuntimeError(f"vase: requests {bad} do not fit in their blocks and do not evict (a bug)")
         nb = max(int(held.max(initial=1)), 1)
-        table = bt.block_table.np[:R, :nb].astype(np.int64)
-        block_rows = write_rows = table
-        if front.any():
-            cols = np.arange(nb)
-            block_rows = np.take_along_axis(table, np.minimum(shifted[:, None] + cols, nb - 1), axis=1)
-            write_rows = np.take_along_axis(table, np.minimum(front[:, None] + cols, nb - 1), axis=1)
         # physical slot of each new token: fill_before + j in the row's blocks; dense rows write nothing now
         T = int(qsl[-1])
         tok_row = np.repeat(np.arange(R), n)
@@ -178,7 +205,20 @@ class VaseCPUModelRunner(CPUModelRunner):
         phys = fill_before[tok_row] + j
         dense_tok = dense[tok_row]
         phys_in = np.where(dense_tok, 0, phys)
-        slots = np.where(dense_tok, -1, block_rows[tok_row, phys_in // bs] * bs + phys_in % bs)
+        layouts = {}
+        for g in groups:
+            table = self.input_batch.block_table[g].block_table.np[:R, :nb].astype(np.int64)
+            block_rows = write_rows = table
+            if front.any():
+                cols = np.arange(nb)
+                block_rows = np.take_along_axis(table, np.minimum(shifted[:, None] + cols, nb - 1), axis=1)
+                write_rows = np.take_along_axis(table, np.minimum(front[:, None] + cols, nb - 1), axis=1)
+            slots = np.where(dense_tok, -1, block_rows[tok_row, phys_in // bs] * bs + phys_in % bs)
+            layouts[g] = st.GroupLayout(
+                block_rows=torch.from_numpy(block_rows),
+                write_rows=torch.from_numpy(write_rows),
+                slot_mapping=torch.from_numpy(slots.astype(np.int64)),
+            )
         logical = logical_before[tok_row] + j
         # the logical position of each token written in place, in every layer (compaction then moves each layer's
         # own copy); slots past the tables' width belong to a dense prompt not yet evicted (position = slot)
@@ -201,11 +241,9 @@ class VaseCPUModelRunner(CPUModelRunner):
             keep=keep,
             evict=evict,
             dense=dense,
-            block_rows=torch.from_numpy(block_rows),
-            write_rows=torch.from_numpy(write_rows),
+            layouts=layouts,
             shifted=shifted > 0,
             seq_lens=torch.from_numpy(np.where(dense, n, fill_after).astype(np.int32)),
-            slot_mapping=torch.from_numpy(slots.astype(np.int64)),
             positions=torch.from_numpy(logical),
         )
         if seq.ring is not None:

@@ -13,7 +13,7 @@ import tempfile
 import common
 
 import vase.vllm
-from vase.vllm.settings import SCHEDULER_CLS, WORKER_CLS
+from vase.vllm.rules import SCHEDULER_CLS, WORKER_CLS
 
 GOOD = "streaming_llm:budget=128:buffer=16"
 CASES = {

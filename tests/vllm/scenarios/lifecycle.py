@@ -1,26 +1,30 @@
 """Blocks per request, preemption and abort on a tiny pool: every block comes back, none is held past the cap.
 
 Job: ``{"model", "prompts": [[ids]], "max_tokens", "vase": engine_args kwargs (without admission), "blocks": pool
-size with vLLM's null block, "abort_step"}``. Runs admission ``grow`` (requests preempted as they grow), ``reserve``
-and ``elastic`` (never preempted); per engine: the most blocks a request held (from the scheduler's block lists, each
-step), blocks still held by preempted or aborted requests, free blocks at the end, worker rows still held.
+size with vLLM's null block, "abort_step", "admissions" (default all three), "kw": LLM kwargs}``. Runs admission
+``grow`` (requests preempted as they grow), ``reserve`` and ``elastic`` (never preempted); per engine: the most
+blocks a request held in the capped group (from the scheduler's block lists, each step), blocks still held (in every
+KV cache group) by preempted or aborted requests, free blocks at the end, rows still held by each worker (several
+with tensor parallelism).
 """
 
 from __future__ import annotations
 
 import common
 
-from vase.vllm import state as vstate
-
 if __name__ == "__main__":
     spec, out = common.job()
     result = {}
-    for admission in ("grow", "reserve", "elastic"):
+    for admission in spec.get("admissions", ("grow", "reserve", "elastic")):
         llm = common.make_llm(
-            spec["model"], {**spec["vase"], "admission": admission}, num_gpu_blocks_override=spec["blocks"]
+            spec["model"],
+            {**spec["vase"], "admission": admission},
+            num_gpu_blocks_override=spec["blocks"],
+            **spec.get("kw", {}),
         )
         eng, sched = llm.llm_engine, common.scheduler(llm)
-        mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+        mgr = next(m for m in managers if hasattr(m, "vase_caps"))  # the capped (full-attention) group
         pool = sched.kv_cache_manager.block_pool
         ids = {}
         for k, p in enumerate(spec["prompts"]):
@@ -32,8 +36,12 @@ if __name__ == "__main__":
                 if o.finished:
                     finished[o.request_id] = len(o.outputs[0].token_ids)
             step += 1
-            live = {r: sum(not b.is_null for b in blocks) for r, blocks in mgr.req_to_blocks.items()}
-            max_held = max([max_held, *live.values()])
+            capped = {r: sum(not b.is_null for b in blocks) for r, blocks in mgr.req_to_blocks.items()}
+            max_held = max([max_held, *capped.values()])
+            live = {}  # blocks held in every group (sliding-window groups included)
+            for m in managers:
+                for r, blocks in m.req_to_blocks.items():
+                    live[r] = live.get(r, 0) + sum(not b.is_null for b in blocks)
             for req in sched.waiting:  # preempted requests wait with no blocks
                 if req.status.name == "PREEMPTED":
                     preempted_seen += 1
@@ -43,10 +51,10 @@ if __name__ == "__main__":
             if step == spec["abort_step"]:
                 eng.abort_request(["r1"])
                 aborted = ids["r1"]
-        rows_before = len(vstate.ACTIVE.row_of)  # the worker hears of the last finishes one step late
-        # one more short request: the worker learns of the last finishes at the next step
+        rows_before = [w["live_rows"] for w in common.stats(llm)["workers"]]  # they hear of finishes a step late
+        # one more short request: the workers learn of the last finishes at the next step
         llm.generate([common.tokens_prompt(spec["prompts"][0][:8])], common.params(1), use_tqdm=False)
-        ws = vstate.ACTIVE
+        stats = common.stats(llm)
         result[admission] = {
             "finished": finished,
             "max_blocks_held": max_held,
@@ -55,10 +63,10 @@ if __name__ == "__main__":
             "aborted_holding": aborted_holding,
             "free_blocks": pool.get_num_free_blocks(),
             "pool_blocks": pool.num_gpu_blocks - 1,
-            "req_to_blocks": {k: len(v) for k, v in mgr.req_to_blocks.items()},
+            "req_to_blocks": {k: len(v) for m in managers for k, v in m.req_to_blocks.items()},
             "worker_rows_before": rows_before,
-            "worker_rows_after": len(ws.row_of),
-            "stats": common.stats(llm),
+            "worker_rows_after": [w["live_rows"] for w in stats["workers"]],
+            "stats": stats,
         }
         common.write(out, result)
         common.free(llm)
