@@ -765,15 +765,19 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, hf_model, tmp_pa
         assert ids == offline["streaming_llm"]["outputs"][k]
         assert ids != offline["plain"]["outputs"][k]
         assert "vase: streaming_llm (budget 48" in log.read_text()
-        # a request with a bad vase field fails alone (HTTP 400 naming the field); the engine serves the next one
-        bad = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps({**body, "vllm_xargs": {"vase_seed": "seven"}}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(bad, timeout=120)
-        assert refused.value.code == 400 and "vase_seed must be an integer" in refused.value.read().decode()
+
+        # a request with a bad vase field, sent among good ones in flight, fails alone (HTTP 400 naming the field);
+        # the good ones get their tokens and the engine serves the next request
+        def bad_request():
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                _complete(port, {**body, "vllm_xargs": {"vase_seed": "seven"}})
+            return refused.value.code, refused.value.read().decode()
+
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            good = [pool.submit(_complete, port, body) for _ in range(2)]
+            code, message = pool.submit(bad_request).result()
+            assert [g.result()["choices"][0]["token_ids"] for g in good] == [ids, ids]
+        assert code == 400 and "vase_seed must be an integer" in message
         again = json.load(urllib.request.urlopen(req, timeout=600))
         assert again["choices"][0]["token_ids"] == ids
 
