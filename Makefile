@@ -64,5 +64,9 @@ test: setup gemma3 vllm
 bench: setup
 	$(VENV)/bin/vase bench
 
+# on a CUDA machine with torch, transformers and triton installed (vase runs from src/): the GPU tests and benchmarks
+gpu-bench:
+	bash benchmarks/gpu_checks.sh
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -10,6 +10,11 @@ reports what it reached. Results go to a JSON file (default ``$OUT/gpu_bench.jso
     python benchmarks/gpu_qwen3_4b.py                   # on an H100/H200
     python benchmarks/gpu_qwen3_4b.py --compile         # + compiled decode steps (CUDA graphs), 4 runs, sdpa
     python benchmarks/gpu_qwen3_4b.py --tiny --device cpu   # the same code path at toy size (tests)
+    python benchmarks/gpu_qwen3_4b.py --prompt-tokens 16384 --tokens 2048   # decode steps at 16K-18K context
+
+A long prompt stands in for a long chain of thought where time is short: the decode steps then run at the context
+length a long generation reaches late (vase compresses the prompt to its budget at prefill). ``peak_gb`` is the peak
+during decoding (the peak is reset after prefill), ``prefill_peak_gb`` the prefill's.
 
 With ``--compile`` it runs vase and the full cache each compiled (``torch.compile(model, mode='reduce-overhead',
 fullgraph=True)``: vase's ``EvictingCache(..., compileable=True)``, transformers' ``StaticCache`` for the full cache)
@@ -29,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from vase.hf.compat import cache_kwargs
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from vase.hf.compat import cache_kwargs  # noqa: E402
 
 QWEN3_4B = dict(
     vocab_size=151936,
@@ -125,9 +130,13 @@ def run_mode(
         return compiled(input_ids=nxt, **cache_kwargs(cache), position_ids=pos).logits[:, -1:].argmax(-1)
 
     t0 = time.perf_counter()
-    nxt = model(input_ids=prompt, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+    # logits of the last position only: a long prompt's full logits (batch x prompt x 151,936) would not fit
+    nxt = model(input_ids=prompt, logits_to_keep=1, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     sync(device)
     prefill = time.perf_counter() - t0
+    prefill_peak = torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()  # decode's peak apart from prefill's activations
     skip = warmup if use_compiled else 0
     for i in range(skip):
         nxt = step(nxt, length + i)
@@ -162,6 +171,7 @@ def run_mode(
         "warmup_s": compile_s,
         "tok_s": prompt.shape[0] * done / seconds,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None,
+        "prefill_peak_gb": prefill_peak,
         "marks": rows,
         "stats": cache.stats().line() if mode.startswith("vase") else None,
     }

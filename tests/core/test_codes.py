@@ -54,7 +54,7 @@ def dequantized_attention(a: dict) -> torch.Tensor:
         [
             a["qmask"] & (pos[:, :, :lim] >= 0),
             (a["protected"] < a["qlimit"].view(-1, 1, 1)) & (pos.gather(2, a["protected"]) >= 0),
-            (torch.arange(r).view(1, 1, r) < a["recent"].view(-1, 1, 1)).expand(b, h, r),
+            (torch.arange(r, device=pos.device).view(1, 1, r) < a["recent"].view(-1, 1, 1)).expand(b, h, r),
         ],
         -1,
     )

@@ -431,26 +431,25 @@ def test_policy_specs_are_ablations():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_host_device_sync_in_decode_path_on_gpu():
-    """The cache's decode path (update, query saving, eviction) never synchronizes with the GPU."""
+    """The cache's decode path (writes, saved queries, evictions every 8 steps) never synchronizes with the GPU, for
+    a ragged batch (rows whose query rings are at different slots) as for one sequence."""
     model = tiny_model("llama").cuda()
-    cache = vase.EvictingCache(model, policy="vase", budget=32, buffer=8)
-    layer = cache.layers[0]
-    cache.num_layers = 1  # drive one layer by hand
-    k = torch.randn(1, 2, 40, 16, device="cuda")
-    layer.update(k, k)
-    layer.record_queries(torch.randn(1, 4, 40, 16, device="cuda"), 0.25)
-    layer.after_attention()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(40):  # 5 evictions
-            k1 = torch.randn(1, 2, 1, 16, device="cuda")
-            keys, _ = layer.update(k1, k1)
-            layer.record_queries(torch.randn(1, 4, 1, 16, device="cuda"), 0.25)
-            layer.after_attention()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert cache.stats().evictions >= 4
+    for batch in (2, 1):
+        ids = random_ids(40, batch=batch)
+        mask = torch.ones_like(ids)
+        mask[1:, :7] = 0  # row 1 left-padded: 33 real tokens
+        cache = vase.EvictingCache(model, policy="vase", budget=32, buffer=8)
+        model(input_ids=ids.cuda(), attention_mask=mask.cuda(), **cache_kwargs(cache))
+        tok = torch.full((batch, 1), 5, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for s in range(40):  # 5 evictions
+                pos = torch.full((batch, 1), 40 + s, device="cuda")
+                model(input_ids=tok, position_ids=pos, **cache_kwargs(cache))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert cache.stats().evictions >= 5
 
 
 def test_rkv_redundancy_equals_direct_computation():

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .transfer import upload
+
 
 @dataclass
 class RingWrite:
@@ -120,7 +122,7 @@ class QueryRing:
             if len(set(last)) == 1:
                 col.fill_(last[0])
             else:
-                col.copy_(torch.tensor(last, dtype=torch.long).to(dev))
+                col.copy_(upload(last, dev))
             self.valid[:, slot] = True
             return RingWrite("column", _none(dev), _none(dev), [], [], saved, list(rows), slot=slot)
         step_rows, offsets, dest_rows, dest_slots, pos = [], [], [], [], []
@@ -131,10 +133,9 @@ class QueryRing:
                 dest_rows.append(r)
                 dest_slots.append((self.next[r] + j) % w)
                 pos.append(s + c - m + j)
-        rt = torch.tensor(dest_rows, dtype=torch.long).to(dev)
-        st = torch.tensor(dest_slots, dtype=torch.long).to(dev)
-        self.positions[rt, st] = torch.tensor(pos, dtype=torch.long).to(dev)
-        self.valid[rt, st] = True
+        rt, st = upload(dest_rows, dev), upload(dest_slots, dev)
+        self.positions[rt, st] = upload(pos, dev)
+        self.valid[rt, st] = self.valid.new_ones(())  # a device scalar: True would be copied from the host (a sync)
         if same:  # every row saves its last m queries at the same entries
             m = saved[0]
             index = st[:m]

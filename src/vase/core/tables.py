@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import rng
+from .transfer import upload
 
 
 class RowTables:
@@ -94,7 +95,7 @@ class RowTables:
         key = torch.device(device)
         t = self._keys_on.get(key)
         if t is None or t.numel() != len(self.row_keys):
-            t = torch.tensor(self.row_keys, dtype=torch.long).to(device)
+            t = upload(self.row_keys, device)
             self._keys_on[key] = t
         return t if rows is None else t.index_select(0, rows.to(t.device))
 
@@ -195,11 +196,13 @@ class RowTables:
                 self.state[layer][n][:, :, :k].copy_(s)
                 self.state[layer][n][:, :, k:].zero_()
             return
+        # fill values as 0-d device tensors: a Python scalar stored through an index tensor is copied from the host,
+        # which synchronizes with a GPU
         pos[rows, :, :k] = positions
-        pos[rows, :, k:] = -1
+        pos[rows, :, k:] = pos.new_full((), -1)
         for n, s in state.items():
             self.state[layer][n][rows, :, :k] = s
-            self.state[layer][n][rows, :, k:] = 0.0
+            self.state[layer][n][rows, :, k:] = s.new_zeros(())
 
     def nbytes(self) -> int:
         """Bytes of the allocated tables (positions, state, memo)."""

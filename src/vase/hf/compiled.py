@@ -32,8 +32,8 @@ from ..core.config import check_compileable_policy
 from ..core.masks import mask_in_kind
 from ..core.policy import Policy
 from ..core.sizes import is_int
+from ..core.transfer import upload
 from . import attention as attn
-from .step import upload
 
 if TYPE_CHECKING:
     from .cache import EvictingCache

@@ -17,14 +17,7 @@ import torch
 from ..core.masks import mask_in_kind
 from ..core.ring import RingWrite
 from ..core.schedule import StepSchedule
-
-
-def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A small int64 tensor from host values, without a host-device synchronization (pinned, non-blocking)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+from ..core.transfer import upload
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30
+_NEG = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels may read no other globals (the interpreter may)
 
 
 @triton.jit
