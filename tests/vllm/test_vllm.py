@@ -806,10 +806,10 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, hf_model, tmp_pa
         metrics = _prometheus_values(scraped)
         # answered requests of NEW tokens, each evicting every BUFFER tokens once past its budget + buffer
         assert metrics["vase:evictions_total"] >= 2, scraped[-2000:]
-        compressed = (2 if len(prompts[k]) > BUDGET + BUFFER else 0) + (len(longest) > 2 * BUDGET + BUFFER)
+        compressed = (4 if len(prompts[k]) > BUDGET + BUFFER else 0) + (len(longest) > 2 * BUDGET + BUFFER)
         assert metrics["vase:requests_compressed_at_prefill_total"] == compressed
         assert "vase:kv_blocks_held" in metrics and "vase:kv_blocks_without_eviction" in metrics
-        assert metrics["vllm:generation_tokens_total"] == 4 * NEW  # vLLM's own metrics are still there
+        assert metrics["vllm:generation_tokens_total"] == 6 * NEW  # vLLM's own metrics are still there
 
 
 @needs_vllm

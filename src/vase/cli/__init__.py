@@ -1,8 +1,9 @@
-"""The ``vase`` command line: generate, demo, eval, fidelity, analyze, inspect, report, bench, policies, convert.
+"""The ``vase`` command line: generate, demo, eval, fidelity, analyze, train-scorer, inspect, report, bench, policies,
+convert.
 
 One module per concern: :mod:`~vase.cli.common` (errors, shared options, lists), :mod:`~vase.cli.generation`
 (policies, generate, demo), :mod:`~vase.cli.sweeps` (eval, merge, fidelity, report), :mod:`~vase.cli.analysis`
-(analyze), :mod:`~vase.cli.models`
+(analyze, train-scorer), :mod:`~vase.cli.models`
 (inspect, convert) and :mod:`~vase.cli.bench` (the ``bench`` group and its modes). The console script is
 ``vase = "vase.cli:app"``.
 """
@@ -13,7 +14,7 @@ import typer
 from typer.core import TyperGroup
 
 from . import bench
-from .analysis import analyze
+from .analysis import analyze, train_scorer
 from .common import tidy_help
 from .generation import demo, generate, policies
 from .models import convert, inspect
@@ -27,6 +28,7 @@ ORDER = [
     "merge",
     "fidelity",
     "analyze",
+    "train-scorer",
     "inspect",
     "report",
     "bench",
@@ -53,6 +55,7 @@ for command in (policies, generate, demo):
 app.command("eval")(eval_cmd)
 for command in (merge, fidelity, analyze, inspect, report, convert):
     app.command()(command)
+app.command("train-scorer")(train_scorer)
 app.add_typer(
     bench.app,
     name="bench",

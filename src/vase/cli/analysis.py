@@ -51,3 +51,56 @@ def analyze(
     )
     path = run_analysis(config, out, device=device)
     typer.echo(f"[vase] records in {path}; tables and plots: vase report {out}")
+
+
+@friendly
+def train_scorer(
+    sources: Path = typer.Argument(..., help="a `vase fidelity` results folder: its sources and its model are used"),
+    out: Path = typer.Option(..., "--out", "-o", help="the weights file to write (.pt)"),
+    prompts: int | None = typer.Option(None, help="the first N sources of the folder (default: all)"),
+    window: int = typer.Option(64, help="queries of the window-attention features (use window=N with the policy)"),
+    k: int = typer.Option(64, "-k", help="the target: attention of the next k queries"),
+    stride: int = typer.Option(64, help="tokens between two training checkpoints of a source"),
+    samples: int = typer.Option(256, help="candidate entries drawn per checkpoint"),
+    ridge: float = typer.Option(1e-2, help="L2 penalty of the regression (on standardised features)"),
+    seed: int = typer.Option(0, help="seeds the draws and the held-out split: the same seed gives the same file"),
+    device: str = DeviceOpt,
+):
+    """Fit the learned retention score (policy `learned:weights=FILE`) on a fidelity run's traces: one ridge
+    regression per (layer, KV head) from eight features of each entry to the attention of the next k queries."""
+    from ..harness.learned import TrainConfig
+    from ..harness.learned import train_scorer as train
+    from ..harness.mechanism import read_sources
+
+    config_file = sources / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{sources} is not a `vase fidelity` results folder (no config.json)")
+    if prompts is not None and prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {prompts}")
+    if out.exists() and out.is_dir():
+        raise ValueError(f"--out {out} is a folder: give the path of the weights file to write, e.g. {out}/scorer.pt")
+    fid = json.loads(config_file.read_text())
+    read_sources(sources, prompts)
+    set_threads()
+    config = TrainConfig(
+        sources=str(sources),
+        model=fid.get("model", "smollm2"),
+        dtype=fid.get("dtype", "auto"),
+        prompts=prompts,
+        window=window,
+        k=k,
+        stride=stride,
+        samples=samples,
+        buffer=fid.get("buffer", 64),
+        ridge=ridge,
+        seed=seed,
+    )
+    path = train(config, out, device=device)
+    from ..core.learned import LearnedWeights
+
+    info = LearnedWeights.load(path).info
+    typer.echo(
+        f"[vase] weights in {path}: {info['samples_per_head']} samples per (layer, KV head) from {info['sources']} "
+        f"sources, held-out R^2 {info['held_out_r2_mean']:.3f} ({info['seconds']} s); use "
+        f"--policies learned:weights={path}"
+    )

@@ -150,14 +150,15 @@ def layout(options: dict, budget: int, layers: int, fixed: int) -> tuple[list[in
     Returns:
         ``(layer_budgets, slots)``: ``layers`` budgets summing to ``layers * budget`` (all ``budget`` unless
         ``layer_budget='pyramid'``), and ``slots`` >= each of them: ``floor(budget_cap * budget)`` with
-        ``head_budget='adakv'`` (the most one head may keep), the largest layer budget otherwise.
+        ``head_budget='adakv'`` or ``step_budget='confidence'`` (the most one head or one eviction may keep), the
+        largest layer budget otherwise.
 
     Raises:
         ValueError: ``floor(budget_cap * budget)`` below the first layer's pyramid budget (PyramidKV with
             ``budget_cap`` close to 1).
     """
     pyramid = options.get("layer_budget", "uniform") == "pyramid"
-    adakv = options.get("head_budget", "uniform") == "adakv"
+    adakv = options.get("head_budget", "uniform") == "adakv" or options.get("step_budget", "fixed") == "confidence"
     if pyramid:
         per_layer = pyramid_budgets(budget, layers, fixed, float(options.get("pyramid_beta", PYRAMID_BETA)))
     else:

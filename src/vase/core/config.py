@@ -233,7 +233,9 @@ class VaseConfig:
         if compile:
             check_compileable_policy(built)
         if built.options.get("kv_bits") is not None and built.adaptive_budgets:
-            raise ValueError("kv_bits does not combine with adaptive budgets (head_budget / layer_budget) yet")
+            raise ValueError(
+                "kv_bits does not combine with adaptive budgets (head_budget / layer_budget / step_budget) yet"
+            )
         return config.with_budget(budget) if budget is not None else config
 
     @classmethod

@@ -73,6 +73,7 @@ def evict_layer(
     memo: dict[str, torch.Tensor] | None = None,
     layer_idx: int = 0,
     head_offset: int = 0,
+    keep: torch.Tensor | None = None,
 ) -> LayerEviction:
     """Choose which entries of one layer each evicting row keeps: ``budget`` tokens per (row, KV head) on average.
 
@@ -104,6 +105,8 @@ def evict_layer(
         layer_idx: the layer's index (keys the random choices; PyramidKV's depth is in ``budget``).
         head_offset: the model's index of the first KV head of ``keys`` (a tensor-parallel rank's share of the heads;
             keys the random choices, so that every rank draws what one worker would).
+        keep: ``[b]`` int64 tokens each row keeps per KV head at this eviction, at most ``slots`` (a confidence step
+            budget, :mod:`vase.core.confidence`), lowered to what the row's heads hold; default ``budget``.
 
     Returns:
         A :class:`LayerEviction`.
@@ -139,7 +142,10 @@ def evict_layer(
         head_offset=head_offset,
     )
     b = keys.shape[0]
-    keep = torch.full((b,), budget, dtype=torch.long, device=keys.device)
+    if keep is None:
+        keep = torch.full((b,), budget, dtype=torch.long, device=keys.device)
+    else:  # a row that kept fewer before holds fewer now: it keeps at most what each of its heads holds
+        keep = torch.minimum(keep, valid.view(b, -1, valid.shape[-1]).sum(-1).min(-1).values)
     adakv = policy.options.get("head_budget", "uniform") == "adakv"
     allocate = _adakv_allocator(policy, forced, slots) if adakv else None
     sel = policy.select(ctx, keep, slots, forced, allocate)

@@ -23,6 +23,12 @@ between its KV heads by one top-k of the policy's scores over the whole layer (A
 kept stays layers x KV heads x budget (see :mod:`vase.core.budgets` and :class:`vase.EvictingCache`)::
 
     make_policy("snapkv", head_budget="adakv", layer_budget="pyramid")
+
+A confidence-driven budget per eviction (``step_budget='confidence'``: fewer tokens kept after a stretch the model
+was confident about, more after an uncertain one, within the cap; Conf-KV, arXiv 2605.24786; see
+:mod:`vase.core.confidence`) composes with all of these::
+
+    make_policy("vase", step_budget="confidence", budget_cap=1.5)
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 from . import quant
 from .budgets import BUDGET_CAP, FLOOR_SHARE, PYRAMID_BETA
+from .confidence import CONFIDENCE_FLOOR, STEP_BUDGETS
 from .scoring import VALUE_WEIGHTS, EvictionContext, Scorer
 from .selection import (
     GUARD_METRICS,
@@ -68,6 +75,8 @@ COMMON_OPTIONS = {
     "budget_cap": BUDGET_CAP,
     "head_floor": FLOOR_SHARE,
     "pyramid_beta": PYRAMID_BETA,
+    "step_budget": "fixed",
+    "confidence_floor": CONFIDENCE_FLOOR,
     **{
         "kv_bits": None,
         "kv_group": quant.DEFAULT_GROUP,
@@ -110,7 +119,8 @@ class Policy:
             budget at prefill, 'dense' keeps it whole until the first eviction; ``preset``: 'paper' for the
             published method; ``recent``: the newest tokens always kept, None = the cache's buffer; ``head_budget``
             'uniform' | 'adakv', ``layer_budget`` 'uniform' | 'pyramid', ``budget_cap``, ``head_floor``,
-            ``pyramid_beta``: adaptive budgets, see :attr:`adaptive_budgets`).
+            ``pyramid_beta``, ``step_budget`` 'fixed' | 'confidence', ``confidence_floor``: adaptive budgets, see
+            :attr:`adaptive_budgets`).
         sparse: for a selection policy that never evicts (``quest``), its per-step attention rule
             (:class:`vase.core.pages.PageSelection`): which held entries each query attends to; None otherwise.
     """
@@ -161,17 +171,25 @@ class Policy:
 
     @property
     def adaptive_budgets(self) -> bool:
-        """Whether heads or layers keep different counts (``head_budget='adakv'`` or ``layer_budget='pyramid'``).
+        """Whether heads, layers or evictions keep different counts (``head_budget='adakv'``,
+        ``layer_budget='pyramid'`` or ``step_budget='confidence'``).
 
         ``head_budget='adakv'``: per layer, each KV head's count comes from one top-k of the policy's scores over all
         the layer's heads, a share ``head_floor`` of the uniform count given to every head first (AdaKV, arXiv
         2407.11550, Sec. 3, Algorithm 1; its alpha = 0.2); ``layer_budget='pyramid'``: the budget decreases linearly
         with depth, ``pyramid_beta`` setting the slope (PyramidKV, arXiv 2406.02069, Sec. 3; beta = 20). No head
         and no layer holds more than ``budget_cap`` x the budget (the physical slots allocated per head for kept
-        tokens).
+        tokens). ``step_budget='confidence'``: each eviction of a row keeps the budget scaled by the uncertainty of
+        the tokens since its previous eviction over its average (at least ``confidence_floor``, at most
+        ``budget_cap``; :mod:`vase.core.confidence`, after Conf-KV, arXiv 2605.24786).
         """
         heads, layers = self.options.get("head_budget", "uniform"), self.options.get("layer_budget", "uniform")
-        return self.evicts and (heads != "uniform" or layers != "uniform")
+        return self.evicts and (heads != "uniform" or layers != "uniform" or self.confidence_budget)
+
+    @property
+    def confidence_budget(self) -> bool:
+        """Whether each eviction's count follows the model's confidence (``step_budget='confidence'``)."""
+        return self.evicts and self.options.get("step_budget", "fixed") == "confidence"
 
     def select(self, ctx: EvictionContext, keep, kmax: int, forced, allocate=None) -> Selection:
         """Slots to keep; see :func:`vase.core.selection.select`."""
@@ -194,6 +212,9 @@ class Policy:
             parts.append(f"AdaKV head budgets (floor {self.options.get('head_floor', FLOOR_SHARE):g})")
         if self.options.get("layer_budget", "uniform") != "uniform":
             parts.append(f"PyramidKV layer budgets (beta {self.options.get('pyramid_beta', PYRAMID_BETA):g})")
+        if self.confidence_budget:
+            floor = self.options.get("confidence_floor", CONFIDENCE_FLOOR)
+            parts.append(f"confidence step budgets (floor {floor:g})")
         if self.adaptive_budgets:
             parts.append(f"cap {self.options.get('budget_cap', BUDGET_CAP):g}x budget")
         if self.options.get("kv_bits") is not None:
@@ -370,11 +391,12 @@ def _number(value) -> bool:
 
 def check_budget_options(opts: dict, given: dict) -> None:
     """The adaptive-budget options (``head_budget``, ``layer_budget``, ``budget_cap``, ``head_floor``,
-    ``pyramid_beta``; see :attr:`Policy.adaptive_budgets`).
+    ``pyramid_beta``, ``step_budget``, ``confidence_floor``; see :attr:`Policy.adaptive_budgets`).
 
     Raises:
         ValueError: an unknown rule, a cap that is not a number >= 1 (a multiple of the budget), a floor outside
-            [0, 1], a beta below 1, or one of the numbers given without the rule it tunes.
+            [0, 1] (``confidence_floor``: (0, 1]), a beta below 1, or one of the numbers given without the rule it
+            tunes.
     """
     if opts["head_budget"] not in HEAD_BUDGETS:
         raise ValueError(
@@ -398,11 +420,27 @@ def check_budget_options(opts: dict, given: dict) -> None:
     beta = opts["pyramid_beta"]
     if not _number(beta) or not 1.0 <= beta < float("inf"):
         raise ValueError(f"pyramid_beta must be a number >= 1 (1 = uniform layers), got {beta!r}")
+    if opts["step_budget"] not in STEP_BUDGETS:
+        raise ValueError(
+            f"step_budget must be one of {', '.join(STEP_BUDGETS)} (confidence: each eviction keeps more after "
+            f"uncertain tokens, fewer after confident ones), got {opts['step_budget']!r}"
+        )
+    cfloor = opts["confidence_floor"]
+    if not _number(cfloor) or not 0.0 < cfloor <= 1.0:
+        raise ValueError(
+            f"confidence_floor must be in (0, 1] (the least share of the budget an eviction keeps), got {cfloor!r}"
+        )
     adakv, pyramid = opts["head_budget"] == "adakv", opts["layer_budget"] == "pyramid"
+    confidence = opts["step_budget"] == "confidence"
     for name, needs, ok in (
-        ("budget_cap", "head_budget=adakv or layer_budget=pyramid", adakv or pyramid),
+        (
+            "budget_cap",
+            "head_budget=adakv, layer_budget=pyramid or step_budget=confidence",
+            adakv or pyramid or confidence,
+        ),
         ("head_floor", "head_budget=adakv", adakv),
         ("pyramid_beta", "layer_budget=pyramid", pyramid),
+        ("confidence_floor", "step_budget=confidence", confidence),
     ):
         if name in given and not ok:
             raise ValueError(f"{name} applies to adaptive budgets only: add {needs}")

@@ -20,17 +20,24 @@ What an integration does each step (see docs/ARCHITECTURE.md, "What an integrati
    the rows ``step.evict``: gather their held entries, ``ev = seq.evict(layer, step, ...)``, write the kept entries
    ``gather_kept(ev.indices, ...)`` to the row's first slots;
 3. ``seq.commit(step, ring_write)``.
+
+With a confidence step budget (``step_budget='confidence'``), the integration also feeds each step's next-token top
+probabilities (:meth:`Sequences.observe_confidence`); each eviction's count per row then follows them.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from .confidence import CONFIDENCE_FLOOR, ConfidenceTracker
 from .config import VaseConfig
 from .evict import LayerEviction, evict_layer
 from .ring import QueryRing, RingWrite
 from .schedule import Schedule, StepSchedule
 from .tables import RowTables
+from .transfer import upload
 
 
 class Sequences:
@@ -77,6 +84,15 @@ class Sequences:
         )
         self.tables = RowTables(self.layer_ids, self.policy.state_names, self.policy.memo_names)
         self.ring = QueryRing(len(self.layer_ids), config.window) if config.window else None
+        self.confidence = (
+            ConfidenceTracker(
+                float(self.policy.options.get("confidence_floor", CONFIDENCE_FLOOR)),
+                self.slots / config.budget,
+            )
+            if self.policy.confidence_budget
+            else None
+        )
+        self._unfed_warned = False
 
     # ----------------------------------------------------------------------------------------------- rows
     def admit(self, row: int, prompt_tokens: int, seed: int, budget: int | None = None, evicts: bool = True) -> None:
@@ -88,6 +104,15 @@ class Sequences:
         self.tables.set_seeds([row], [seed])
         if self.ring is not None and row < self.ring.rows:
             self.ring.reset_row(row)
+        if self.confidence is not None:
+            self.confidence.reset_row(row)
+
+    def observe_confidence(self, rows: list[int], top: torch.Tensor) -> None:
+        """The top next-token probabilities the rows just predicted (``[len(rows)]`` or ``[len(rows), T]``, NaN for
+        padding): what a confidence step budget follows (:class:`vase.core.confidence.ConfidenceTracker`); ignored
+        by other policies."""
+        if self.confidence is not None:
+            self.confidence.observe(rows, top)
 
     def hold(self, row: int, tokens: int) -> None:
         """A fresh row whose first ``tokens`` are already held (a prefix-cache hit): slot ``i`` holds position ``i``,
@@ -106,6 +131,9 @@ class Sequences:
     def commit(self, step: StepSchedule, ring_write: RingWrite | None = None) -> None:
         """After a step's last layer: the schedule and the ring's pointers move on."""
         self.schedule.commit(step)
+        if self.confidence is not None:
+            for i in step.evict:
+                self.confidence.evicted(step.rows[i])
         if ring_write is not None and self.ring is not None:
             self.ring.commit(ring_write)
 
@@ -162,12 +190,25 @@ class Sequences:
             budget = slots = row_budget
         every = table_rows == list(range(len(self.tables.row_keys))) and rows is None
         if rows is None and not every:
-            rows = torch.tensor(table_rows, dtype=torch.long).to(dev)
+            rows = upload(table_rows, dev)
         sel = None if every else rows
         queries = qpos = qvalid = None
         if self.ring is not None:
             queries, qpos, qvalid = self.ring.read(layer, sel)
         memo = self.tables.memo_of(layer, sel)
+        keep = None
+        if self.confidence is not None and row_budget == self.config.budget:
+            fixed = self.config.sinks + self.config.recent
+            keep = upload([self.confidence.keep(r, budget, slots, fixed) for r in table_rows], dev)
+            decoded = [r for r in table_rows if self.schedule.seen[r] > self.schedule.prompt[r]]
+            if decoded and not self._unfed_warned and not any(self.confidence.fed(r) for r in decoded):
+                self._unfed_warned = True
+                warnings.warn(
+                    "step_budget=confidence, but no next-token distribution was fed: every eviction keeps the budget. "
+                    "Feed each step's logits (EvictingCache.observe_confidence, or logits_processor="
+                    "[vase.hf.ConfidenceFeed(cache)] in model.generate)",
+                    stacklevel=2,
+                )
         ev = evict_layer(
             self.policy,
             keys,
@@ -179,8 +220,8 @@ class Sequences:
             sinks=self.config.sinks,
             recent=self.config.recent,
             row_keys=self.tables.keys_tensor(dev, sel),
-            eviction_index=_upload([step.evictions_before[i] for i in which], dev),
-            latest_query=_upload([step.seen_before[i] + step.counts[i] - 1 for i in which], dev),
+            eviction_index=upload([step.evictions_before[i] for i in which], dev),
+            latest_query=upload([step.seen_before[i] + step.counts[i] - 1 for i in which], dev),
             queries=queries,
             query_positions=qpos,
             query_valid=qvalid,
@@ -189,6 +230,7 @@ class Sequences:
             memo=memo,
             layer_idx=self.layer_ids[layer],
             head_offset=self.head_offset,
+            keep=keep,
         )
         self.tables.set_memo(layer, sel, ev.memo)
         return ev
@@ -201,11 +243,3 @@ def budget_groups(step: StepSchedule, which: list[int], schedule) -> list[list[i
     for i in which:
         groups.setdefault(schedule.row_budget[step.rows[i]], []).append(i)
     return list(groups.values())
-
-
-def _upload(values: list[int], device) -> torch.Tensor:
-    """A small int64 tensor from host values (pinned and non-blocking on CUDA: no host-device synchronization)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..core.config import VaseConfig
 from ..hf.models import check_load_options
@@ -54,6 +54,21 @@ class RunConfig(BaseModel):
         for spec in v:
             make_policy(spec)  # raises with the list of valid names, or the bad option
         return v
+
+    @model_validator(mode="after")
+    def _learned_weights_for_this_model(self):
+        """A learned scorer's weights name the model they were trained on: another model is refused before loading
+        (its shape is checked again when the cache is made)."""
+        from ..core.policies import make_policy
+
+        for spec in self.policies:
+            weights = getattr(make_policy(spec).scorer, "weights", None)
+            if weights is not None and weights.model and weights.model != self.model:
+                raise ValueError(
+                    f"policy {spec!r}: its learned scorer weights were trained on the model {weights.model!r}, this "
+                    f"run uses {self.model!r}: train weights on it (vase train-scorer)"
+                )
+        return self
 
     @property
     def has_published(self) -> bool:

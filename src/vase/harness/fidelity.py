@@ -100,11 +100,9 @@ def replay(
     if config is None:
         config = VaseConfig.resolve(policy, budget=budget, buffer=buffer)
     cache = EvictingCache(model, config=config, seed=seed)
-    out = [
-        torch.log_softmax(
-            model(input_ids=prompt_ids.view(1, -1).to(dev), **cache_kwargs(cache)).logits[0, -1:].float(), -1
-        )
-    ]
+    last = model(input_ids=prompt_ids.view(1, -1).to(dev), **cache_kwargs(cache)).logits[:, -1]
+    cache.observe_confidence(last)  # a confidence step budget follows the predictions of the continuation
+    out = [torch.log_softmax(last.float(), -1)]
     if on_chunk is not None:
         on_chunk(cache, prompt_ids.numel())
     fed = continuation[:-1]
@@ -112,8 +110,14 @@ def replay(
     cut = cache.policy.evicts or cache.quantized  # chunks end where decoding evicts (or quantizes, with kv_bits)
     while start < fed.numel():
         c = fed.numel() - start if not cut else min(fed.numel() - start, cache.room()[0])
-        logits = model(input_ids=fed[start : start + c].view(1, -1).to(dev), **cache_kwargs(cache)).logits[0]
-        out.append(torch.log_softmax(logits.float(), -1))
+        piece = fed[start : start + c].view(1, -1).to(dev)
+        # a confidence step budget evicts on the predictions of every token before the evicting one, as decoding
+        # does: the chunk's last token (the one that evicts) goes in its own forward pass
+        parts = [piece[:, :-1], piece[:, -1:]] if cache.policy.confidence_budget and c > 1 else [piece]
+        for part in parts:
+            logits = model(input_ids=part, **cache_kwargs(cache)).logits
+            cache.observe_confidence(logits)
+            out.append(torch.log_softmax(logits[0].float(), -1))
         start += c
         if on_chunk is not None:
             on_chunk(cache, prompt_ids.numel() + start)

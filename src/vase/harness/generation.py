@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..core.config import VaseConfig
 from ..core.sizes import DEFAULT_BUDGET, is_int
 from ..hf.cache import EvictingCache
 from ..hf.compat import cache_kwargs
 from ..hf.compiled import compile_config
+from ..hf.confidence import ConfidenceFeed
 from ..hf.stats import CacheStats
 
 __all__ = ["DEFAULT_BUDGET", "Completion", "GenerationResult", "check_options", "encode_prompts", "generate"]
@@ -324,6 +326,8 @@ def generate(
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
     if compile:
         gen_kwargs.update(compile_config=compile_config(device))
+    if config.policy.confidence_budget:  # the cache follows the model's confidence at each step
+        gen_kwargs.update(logits_processor=LogitsProcessorList([ConfidenceFeed(cache)]))
     clock = _Clock(streamer)
     torch.manual_seed(row_seeds[0])
     start = time.perf_counter()

@@ -19,7 +19,8 @@ if _Version(_transformers.__version__).release[:2] < _Version(MIN_TRANSFORMERS).
 from .cache import EvictingCache  # noqa: E402
 from .compat import cache_kwargs  # noqa: E402
 from .compiled import compile_config  # noqa: E402
+from .confidence import ConfidenceFeed  # noqa: E402
 from .models import load_model  # noqa: E402
 from .stats import CacheStats  # noqa: E402
 
-__all__ = ["CacheStats", "EvictingCache", "cache_kwargs", "compile_config", "load_model"]
+__all__ = ["CacheStats", "ConfidenceFeed", "EvictingCache", "cache_kwargs", "compile_config", "load_model"]

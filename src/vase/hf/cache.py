@@ -41,6 +41,7 @@ from ..core.sizes import DEFAULT_BUDGET, DEFAULT_BUFFER, DEFAULT_SINKS, is_int
 from . import attention as attn
 from . import hybrid
 from .compiled import CompiledDecode, check_compileable
+from .confidence import masked_top
 from .forward import ForwardPlanner
 from .layer import Counters, EvictingLayer
 from .quantized import QuantizedStorage, Workspace
@@ -138,7 +139,7 @@ class EvictingCache(Cache):
             ``compileable``, see :func:`vase.hf.compiled.check_compileable`; ``config`` together with policy or size
             arguments, or a ``config`` whose budget waits for a ratio; the storage options of
             :func:`vase.core.quant.check_options`, and at the first forward a ``kv_group`` that does not divide the
-            head dim.
+            head dim; a learned scorer's weights trained for a model of another shape.
     """
 
     def __init__(
@@ -196,6 +197,9 @@ class EvictingCache(Cache):
         first = self._plan[self.evicting[0]]
         self.num_kv_heads, self.head_dim = first.kv_heads, first.head_dim
         self.num_layers = len(self.evicting)  # evicting layers: a forward pass is done when all of them are
+        check_shape = getattr(self.policy.scorer, "check_model", None)  # a learned scorer: weights for this model
+        if check_shape is not None:
+            check_shape(self.evicting, self.num_kv_heads, self.head_dim)
         # adaptive budgets (policy options head_budget / layer_budget): the budget of each evicting layer (by model
         # layer index; PyramidKV's depth runs over the evicting layers) and the physical slots per (layer, KV head)
         # for kept tokens; uniform: every layer keeps `budget` in `budget` slots
@@ -382,6 +386,24 @@ class EvictingCache(Cache):
             "with an EvictingCache: they feed draft tokens and crop the rejected ones afterwards, and a cache that "
             "evicts cannot restore what a crop needs. Generate without them (the cache is left untouched)"
         )
+
+    def observe_confidence(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Feed the next-token distributions the model just produced, for a confidence step budget
+        (``step_budget='confidence'``, :mod:`vase.core.confidence`); a no-op for other policies.
+
+        Call it after each forward pass, before the next (:class:`vase.hf.ConfidenceFeed` does so inside
+        ``model.generate``; a teacher-forced replay passes each chunk's logits).
+
+        Args:
+            logits: ``[batch, V]`` (one step) or ``[batch, T, V]`` (a chunk) scores over the vocabulary.
+            mask: ``[batch, T]`` (or ``[batch]``) bool / 0-1, the real positions of ``logits`` (padding left out).
+
+        Raises:
+            ValueError: ``logits`` whose batch is not the cache's, or a mask of another shape.
+        """
+        if self.policy.confidence_budget:
+            self._settled()
+            self.seq.observe_confidence(list(range(self.batch)), masked_top(logits, mask, self.batch))
 
     # ---------------------------------------------------------------------------------------------- reading
     def _settled(self) -> None:

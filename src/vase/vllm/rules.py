@@ -24,8 +24,9 @@ def check_policy(config: VaseConfig) -> list[str]:
         )
     if policy.adaptive_budgets:
         problems.append(
-            "per-head or per-layer budgets (head_budget=adakv, layer_budget=pyramid) are not supported: the CPU "
-            "attention kernel takes one length per request for all heads and layers share one block table"
+            "per-head, per-layer or per-eviction budgets (head_budget=adakv, layer_budget=pyramid, "
+            "step_budget=confidence) are not supported: the CPU attention kernel takes one length per request for "
+            "all heads and layers share one block table"
         )
     if policy.options.get("kv_bits") is not None:
         problems.append("quantized entries (kv_bits) are not supported in vLLM: vLLM's own kv_cache_dtype holds them")

@@ -9,11 +9,41 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..policy import Policy, did_you_mean
-from . import curdkv, full, h2o, keydiff, knorm, quest, random, rkv, snapkv, streaming_llm, tova, vase, vase_dkv
+from . import (
+    curdkv,
+    full,
+    h2o,
+    keydiff,
+    knorm,
+    learned,
+    quest,
+    random,
+    rkv,
+    snapkv,
+    streaming_llm,
+    tova,
+    vase,
+    vase_dkv,
+)
 
 _MODULES: dict[str, ModuleType] = {
     m.NAME: m
-    for m in (full, streaming_llm, h2o, tova, snapkv, rkv, random, keydiff, knorm, curdkv, vase, vase_dkv, quest)
+    for m in (
+        full,
+        streaming_llm,
+        h2o,
+        tova,
+        snapkv,
+        rkv,
+        random,
+        keydiff,
+        knorm,
+        curdkv,
+        learned,
+        vase,
+        vase_dkv,
+        quest,
+    )
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 
