@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pool-tokens", type=int, default=0,
                     help="KV pool in tokens, the same memory for every engine (vLLM's --num-gpu-blocks-override = "
                     "this / the engine's block size)")  # fmt: skip
-    ap.add_argument("--pool-gib", type=float, default=4, help="KV space in GiB when --pool-tokens is not given")
+    ap.add_argument("--pool-gib", type=int, default=4,
+                    help="KV space in whole GiB (vLLM CPU reads an integer) without --pool-tokens")  # fmt: skip
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--system-prompt", type=int, default=0, help="tokens of a system message shared by all requests")
