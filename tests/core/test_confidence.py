@@ -183,36 +183,28 @@ def test_confidence_counts_follow_the_feed_within_the_cap(attn, policy):
 
 
 def test_generate_feeds_the_confidence_and_warns_without_it():
-    """``vase.generate`` feeds the cache (no warning; counts differ from the budget); ``model.generate`` without
-    the feed warns once and keeps the budget."""
+    """``model.generate`` with :class:`ConfidenceFeed` feeds the cache (no warning); without the feed it warns once
+    and keeps the budget."""
     model = tiny_model("llama", "sdpa", layers=2)
     prompt = random_ids(12, seed=2)
     cache = vase.EvictingCache(model, policy="vase:step_budget=confidence", budget=BUDGET, buffer=BUFFER, sinks=SINKS)
+
+    def greedy(c, n, **kw):
+        model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(c), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, **kw,
+        )  # fmt: skip
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            **cache_kwargs(cache),
-            max_new_tokens=60,
-            min_new_tokens=60,
-            do_sample=False,
-            logits_processor=[ConfidenceFeed(cache)],
-        )
+        greedy(cache, 60, logits_processor=[ConfidenceFeed(cache)])
     assert not [w for w in caught if "step_budget=confidence" in str(w.message)]
     assert cache.stats().evictions >= 4
     assert cache.seq.confidence.total_n[0] == 60
 
     bare = vase.EvictingCache(model, policy="vase:step_budget=confidence", budget=BUDGET, buffer=BUFFER, sinks=SINKS)
     with pytest.warns(UserWarning, match="no next-token distribution was fed"):
-        model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            **cache_kwargs(bare),
-            max_new_tokens=40,
-            min_new_tokens=40,
-            do_sample=False,
-        )
+        greedy(bare, 40)
     assert all(int((layer.positions[0] >= 0).sum(-1).max()) <= BUDGET + BUFFER for layer in bare.layers)
     with pytest.raises(ValueError, match="the cache holds 1"):
         cache.observe_confidence(torch.zeros(2, model.config.vocab_size))
