@@ -2,7 +2,8 @@
 # The GPU checks, one call of at most 9.5 minutes on a CUDA machine with torch, transformers and triton installed
 # (nothing else is needed: vase runs from src/). Results go to $OUT (else runs/gpu/):
 #   1. the GPU-only tests (FlashAttention-2 when flash-attn is installed, no host-device sync in the decode path,
-#      compiled and not) and the Triton kernel's cases on the GPU;
+#      compiled and not, the learned score x guard x confidence budget against the CPU) and the Triton kernel's cases
+#      on the GPU (one program per (row, KV head) and split slots);
 #   2. benchmarks/gpu_qwen3_4b.py: Qwen3-4B's shape, batch 16, a 16K-token prompt then 2,048 new tokens, full cache
 #      against vase at budget 4096;
 #   3. benchmarks/gpu_codes_attention.py: decode attention over 4-bit codes against dequantize-then-sdpa and dense;
@@ -27,6 +28,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -rs \
   tests/hf/test_cache.py::test_flash_attention_2_on_gpu \
   tests/hf/test_cache.py::test_no_host_device_sync_in_decode_path_on_gpu \
   tests/hf/test_compile.py::test_compiled_decode_no_sync_on_gpu \
+  tests/core/test_learned.py::test_the_stack_on_gpu_equals_cpu \
   tests/core/triton_cases.py 2>&1 | tee "$OUT/tests.log"
 
 echo "== 2. Qwen3-4B shape, 16K prompt + 2,048 tokens ($(left) s left)"

@@ -3,7 +3,8 @@
 
 Per configuration, in one process and side by side, the time of one decode step's attention of one layer:
 
-* ``codes``: :func:`vase.core.codes.decode_attention` (the Triton kernel on CUDA) over the 4-bit store;
+* ``codes``: :func:`vase.core.codes.decode_attention` (the Triton kernel on CUDA, its slots split over programs to
+  fill the GPU) over the 4-bit store; on CUDA also ``codes_one_split``: the kernel with one program per (row, KV head);
 * ``dequantize``: what ``kv_attention=dequantize`` does: dequantize the store into a bf16 workspace, then sdpa;
 * ``dense``: sdpa over a bf16 store of the same slots (unquantized eviction at the same budget).
 
@@ -92,6 +93,13 @@ def one(batch: int, slots: int, heads: int, group: int, dim: int, bits: int, dev
 
     out = {"batch": batch, "slots": slots, "bits": bits}
     out["codes_ms"] = 1e3 * timed(lambda: codes.decode_attention(**args), device, reps)
+    if device.startswith("cuda"):
+        from vase.core.kernels.codes_triton import decode_attention_triton, split_count
+
+        plain = [args[k] for k in ("query", "factors", "scaling", "codes", "qmask", "positions", "fp_k", "fp_v")]
+        plain += [args[k] for k in ("protected", "qlimit", "recent", "bits")]
+        out["splits"] = split_count(b * h, slots, 32, torch.device(device))
+        out["codes_one_split_ms"] = 1e3 * timed(lambda: decode_attention_triton(*plain, splits=1), device, reps)
     out["dequantize_ms"] = 1e3 * timed(dequantize, device, reps)
     out["dense_ms"] = 1e3 * timed(dense, device, reps)
     ref = dequantize().view(b, h * group, d).float()
@@ -123,9 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
     for batch, slots in grid:
         row = one(batch, slots, **shape, bits=args.bits, device=args.device, dtype=dtype, reps=reps)
         rows.append(row)
+        split = f" ({row['splits']} splits; one split {row['codes_one_split_ms']:.3f} ms)" if "splits" in row else ""
         print(
-            f"batch {batch:>2} slots {slots:>6}: codes {row['codes_ms']:.3f} ms, dequantize {row['dequantize_ms']:.3f}"
-            f" ms, dense {row['dense_ms']:.3f} ms (codes {row['codes_vs_dense']:.2f}x dense's speed, "
+            f"batch {batch:>2} slots {slots:>6}: codes {row['codes_ms']:.3f} ms{split}, "
+            f"dequantize {row['dequantize_ms']:.3f} ms, dense {row['dense_ms']:.3f} ms "
+            f"(codes {row['codes_vs_dense']:.2f}x dense's speed, "
             f"{row['codes_vs_dequantize']:.2f}x dequantize's; max |diff| {row['max_abs_diff']:.2e})",
             flush=True,
         )

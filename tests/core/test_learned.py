@@ -189,3 +189,25 @@ def test_scores_are_the_exponential_of_the_linear_prediction():
     ctx.layer_idx = 5
     with pytest.raises(ValueError, match="hold no layer 5"):
         scorer.score(ctx)
+
+
+def _stack_run(device: str, path) -> tuple[list[int], list[list[int]], int]:
+    """Greedy tokens, live entries per (layer, KV head) and evictions of the stack (learned score, value guard,
+    confidence budget; top-k, so no random draw differs between devices) on ``device``, float32."""
+    model = tiny_model("llama", "sdpa", layers=2).to(device)
+    prompt = random_ids(30, seed=6).to(device)
+    tokens, cache = _generate(model, f"learned:weights={path}:guard=range:step_budget=confidence", prompt, n=60)
+    live = [(layer.positions[0] >= 0).sum(-1).tolist() for layer in cache.layers]
+    return tokens, live, cache.stats().evictions
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_stack_on_gpu_equals_cpu(tmp_path):
+    """On a GPU, the learned score with the value guard and the confidence budget (weights loaded on the CPU, the
+    confidence folded lazily on the device) decodes the CPU's tokens and keeps as many entries per head."""
+    path = _weights().save(tmp_path / "w.pt")
+    cpu, gpu = _stack_run("cpu", path), _stack_run("cuda", path)
+    assert gpu[2] == cpu[2] >= 4
+    assert gpu[0] == cpu[0]
+    assert gpu[1] == cpu[1]

@@ -37,6 +37,25 @@ def test_triton_kernel_equals_the_torch_path(bits, sinks, guard):
     torch.testing.assert_close(out.double(), dequantized_attention(a), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("sinks", [True, False])
+def test_split_slots_equal_one_program(splits, sinks):
+    """The slots split over several programs per (row, KV head) and merged (flash-decoding) give the one-program
+    result; 70 slots in blocks of 16: 5 blocks, the last split shorter; the full-precision store in the last split."""
+    from vase.core.kernels.codes_triton import decode_attention_triton, split_count
+
+    a = store(4, b=2, h=2, g=3, d=32, lim=70, p=5, r=8, group=16, seed=splits)
+    if not sinks:
+        a["sinks"] = None
+    a = on_device(a)
+    args = [a[k] for k in ("query", "factors", "scaling", "codes", "qmask", "positions", "fp_k", "fp_v")]
+    args += [a[k] for k in ("protected", "qlimit", "recent", "bits", "sinks")]
+    assert split_count(4, 70, 16, torch.device(DEVICE), splits) == splits
+    one = decode_attention_triton(*args, block=16, splits=1)
+    torch.testing.assert_close(decode_attention_triton(*args, block=16, splits=splits), one, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one, codes.decode_attention(**a, backend="torch"), atol=1e-5, rtol=1e-5)
+
+
 def test_triton_kernel_refuses_a_head_dim_that_is_not_a_power_of_two():
     a = on_device(store(8, b=1, h=1, g=1, d=48, lim=30, p=0, r=4, group=16))
     with pytest.raises(ValueError, match="power-of-two head dim"):

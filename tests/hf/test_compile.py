@@ -268,12 +268,12 @@ def test_compiled_decode_no_sync_on_gpu():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for s in range(100):
+        for s in range(140):  # 9 evictions (4 by the 100th step: rows compact every 16 steps from 96 + 16)
             cache.prepare_decode()
             model(input_ids=tok, **cache_kwargs(cache), position_ids=torch.full((2, 1), 40 + s, device="cuda"))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert cache.stats().evictions >= 5
+    assert cache.stats().evictions >= 9
 
 
 def _aot_eager_config(device, backend="inductor"):

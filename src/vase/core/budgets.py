@@ -40,7 +40,8 @@ def head_counts(
     candidates: torch.Tensor,
     n_choose: torch.Tensor,
     floor_share: float = FLOOR_SHARE,
-    cap: int | None = None,
+    cap: int | torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Per-head counts of chosen candidates, AdaKV (arXiv 2407.11550, Sec. 3, Algorithm 1).
 
@@ -56,7 +57,9 @@ def head_counts(
             different tokens after an adaptive eviction).
         n_choose: ``[b]`` int64, average number of candidates to keep per head (uniform allocation).
         floor_share: share of ``n_choose`` every head keeps whatever the others' scores, in [0, 1].
-        cap: most candidates one head may keep (default: no limit but its candidates).
+        cap: most candidates one head may keep (default: no limit but its candidates); an int or a 0-d tensor.
+        check: verify that the counts can be met (a host read of device values: the eviction path on a GPU, whose
+            counts fit by construction, turns it off to avoid a synchronization per eviction).
 
     Returns:
         ``[b, H]`` int64 counts; each row sums to ``H * n_choose``.
@@ -71,13 +74,13 @@ def head_counts(
     b, h, s = scores.shape
     cand = candidates.view(b, -1, s).expand(b, h, s)
     n_cand = cand.sum(-1)  # [b, H]
-    if cap is not None and bool((n_choose > cap).any()):
-        raise ValueError(f"cap ({cap}) must be at least the uniform count ({n_choose.max().item()})")
+    if check and cap is not None and bool((n_choose > cap).any()):
+        raise ValueError(f"cap ({int(cap)}) must be at least the uniform count ({n_choose.max().item()})")
     limit = n_cand if cap is None else n_cand.clamp_max(cap)
     floor = (floor_share * n_choose.double()).floor().long()  # [b]
     m = (n_choose - floor) * h  # [b] slots given by the layer-wide top-k
     room = (limit - floor.view(b, 1)).clamp_min(0).sum(-1)
-    if bool((floor.view(b, 1) > limit).any()) or bool((room < m).any()):
+    if check and (bool((floor.view(b, 1) > limit).any()) or bool((room < m).any())):
         per_head = n_cand.tolist() if candidates.dim() == 3 else n_cand[:, 0].tolist()
         raise ValueError(f"cannot choose {n_choose.tolist()} of {per_head} candidates per head")
     # finite scores, so that a candidate always ranks before a non-candidate within its head

@@ -144,8 +144,9 @@ def evict_layer(
     b = keys.shape[0]
     if keep is None:
         keep = torch.full((b,), budget, dtype=torch.long, device=keys.device)
-    else:  # a row that kept fewer before holds fewer now: it keeps at most what each of its heads holds
-        keep = torch.minimum(keep, valid.view(b, -1, valid.shape[-1]).sum(-1).min(-1).values)
+    # a row keeps at most what each of its heads holds: one that kept fewer before (a confidence step budget), or a
+    # layer whose own budget exceeds what the step's schedule let it hold (layer_budget=pyramid's first layers)
+    keep = torch.minimum(keep, valid.view(b, -1, valid.shape[-1]).sum(-1).min(-1).values)
     adakv = policy.options.get("head_budget", "uniform") == "adakv"
     allocate = _adakv_allocator(policy, forced, slots) if adakv else None
     sel = policy.select(ctx, keep, slots, forced, allocate)
@@ -174,7 +175,8 @@ def _adakv_allocator(policy: Policy, forced: torch.Tensor, slots: int):
         most = n_forced.max(-1).values
         n_choose = (keep - most).clamp_min(0)
         floor = float(policy.options.get("head_floor", budgets.FLOOR_SHARE))
-        counts = budgets.head_counts(scores, ctx.candidates, n_choose, floor, slots - int(most.max()))
+        cap = slots - most.max()  # a device scalar: no host read
+        counts = budgets.head_counts(scores, ctx.candidates, n_choose, floor, cap, check=False)  # fit by construction
         return n_forced + counts
 
     return allocate

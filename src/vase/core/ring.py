@@ -123,7 +123,7 @@ class QueryRing:
                 col.fill_(last[0])
             else:
                 col.copy_(upload(last, dev))
-            self.valid[:, slot] = True
+            self.valid[:, slot].fill_(True)  # a view filled in place: no host tensor copied
             return RingWrite("column", _none(dev), _none(dev), [], [], saved, list(rows), slot=slot)
         step_rows, offsets, dest_rows, dest_slots, pos = [], [], [], [], []
         for i, (r, c, m, s) in enumerate(zip(rows, counts, saved, seen_before)):

@@ -156,10 +156,12 @@ class RowTables:
         for k, t in state.items():
             out_s[k][:, :, :m] = sel(t[:, :, :m])
         if never_evicted is not None and any(never_evicted):
-            fresh = torch.tensor(never_evicted, dtype=torch.bool, device=pos.device)
-            out_p[fresh] = torch.arange(length, device=pos.device).expand(int(fresh.sum()), h, length)
+            which = [i for i, f in enumerate(never_evicted) if f]
+            fresh = upload(which, pos.device)  # row indices, not a host bool mask: no synchronization
+            ident = torch.arange(length, device=pos.device).expand(len(which), h, length)
+            out_p.index_copy_(0, fresh, ident.contiguous())
             for t in out_s.values():
-                t[fresh] = 0.0
+                t.index_fill_(0, fresh, 0.0)
         return out_p, out_s
 
     def memo_of(self, layer: int, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:

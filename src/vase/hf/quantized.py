@@ -46,6 +46,7 @@ from ..core import codes as codes_attention
 from ..core import quant
 from ..core.config import VaseConfig
 from ..core.schedule import Schedule
+from ..core.transfer import upload
 from .step import ForwardStep
 from .storage import DenseStorage
 
@@ -192,7 +193,7 @@ class QuantizedStorage:
             new = getattr(self, n)
             new[:, :, :p_old] = old[n][:, :, :p_old]
             new[:, :, p_new:] = old[n][:, :, p_old:]
-        q = torch.tensor(self._qlimit(), dtype=torch.long, device=self.device).view(-1, 1, 1)
+        q = upload(self._qlimit(), self.device).view(-1, 1, 1)
         self.protected[:] = q
         self.protected[:, :, :p_old] = old["protected"]
 
@@ -384,7 +385,7 @@ class QuantizedStorage:
         logical slots, codes and scales unchanged; returns ``[r, H, L]`` bool: which logical slots of ``rows`` now hold
         the codes of an entry quantized before."""
         h, lim = self.heads, self.qmask.shape[2]
-        rt = torch.tensor(rows, dtype=torch.long, device=self.device)
+        rt = upload(rows, self.device)
         from_q = self.qmask.index_select(0, rt)
         if moved is None:
             if not step.append:  # the fast path of an empty cache: every entry is new
@@ -395,9 +396,9 @@ class QuantizedStorage:
         sel = [k for k, row in enumerate(rows) if row in at]
         if not sel:
             return from_q
-        st = torch.tensor(sel, dtype=torch.long, device=self.device)
-        src_rows = torch.tensor([rows[k] for k in sel], dtype=torch.long, device=self.device)
-        ix = idx.index_select(0, torch.tensor([at[rows[k]] for k in sel], dtype=torch.long, device=self.device))
+        st = upload(sel, self.device)
+        src_rows = upload([rows[k] for k in sel], self.device)
+        ix = idx.index_select(0, upload([at[rows[k]] for k in sel], self.device))
         w = min(ix.shape[2], lim)
         ix = ix[:, :, :w]
         was_q = torch.zeros((len(sel), h, max(self._capacity + step.q, lim)), dtype=torch.bool, device=self.device)
@@ -422,15 +423,15 @@ class QuantizedStorage:
         lim, p, h = self.qmask.shape[2], self.protected.shape[2], self.heads
         q_new = [step.qlimit[i] for i in rows]
         from_q = self._move(step, rows, moved)
-        rt = torch.tensor(rows, dtype=torch.long, device=self.device)
+        rt = upload(rows, self.device)
         whole = len(rows) == self.batch
         keys, values = (self.keys, self.values) if whole else (self.keys[rt], self.values[rt])
-        qn = torch.tensor(q_new, dtype=torch.long, device=self.device)
+        qn = upload(q_new, self.device)
         slot = torch.arange(lim, device=self.device).view(1, 1, lim)
         eligible = (slot < qn.view(-1, 1, 1)).expand(len(rows), h, lim)
         new_rows = [k for k, row in enumerate(rows) if not self._factor_set[row] and q_new[k] > 0]
         if new_rows:  # the row's first quantization fixes its key channel factors
-            nt = torch.tensor(new_rows, dtype=torch.long, device=self.device)
+            nt = upload(new_rows, self.device)
             factors = quant.channel_scale(keys[:, :, :lim].index_select(0, nt), eligible.index_select(0, nt))
             self.kf.index_copy_(0, rt.index_select(0, nt), factors)
             for k in new_rows:
@@ -438,11 +439,10 @@ class QuantizedStorage:
         prot = torch.zeros_like(eligible)
         if p:
             count = [min(p, quant.protected_slots(c.policy.guard, q, c.sinks)) for q in q_new]
-            prot = quant.precision_mask(
-                c.policy.guard, values[:, :, :lim], eligible, torch.tensor(count, device=self.device)
-            )
+            prot = quant.precision_mask(c.policy.guard, values[:, :, :lim], eligible, upload(count, self.device))
         isq = eligible & ~prot
         need = isq & ~from_q  # entries quantized now, from their full-precision values
+        # the one host read of a compaction (every `buffer` steps): how many entries to quantize now
         width = int(need.sum(-1).max()) if need.numel() else 0
         if width:
             order = torch.argsort((~need).to(torch.int8), dim=-1, stable=True)[:, :, :width]  # [r, H, width]

@@ -128,20 +128,15 @@ class ForwardStep:
         if ring.kind == "block":
             return query[:, :, -ring.index.numel() :]
         if "ring_src" not in self._memo:
+            rows = upload(ring.step_rows, self.device)
+            offsets = upload(ring.offsets, self.device)
             if self.new_valid is None:  # no padding: a row's k-th new token is column k
-                src_r, src_c = ring.step_rows, ring.offsets
-            else:
-                real = self.new_valid.nonzero()  # [N, 2] (row, column), by row then column
-                start = [0]
-                for c in self.counts[:-1]:
-                    start.append(start[-1] + c)
-                at = upload([start[i] + o for i, o in zip(ring.step_rows, ring.offsets)], self.device)
-                picked = real.index_select(0, at)
-                src_r, src_c = picked[:, 0], picked[:, 1]
-            self._memo["ring_src"] = (
-                torch.as_tensor(src_r, dtype=torch.long, device=self.device),
-                torch.as_tensor(src_c, dtype=torch.long, device=self.device),
-            )
+                cols = offsets
+            else:  # the column of each row's k-th real token: where the running count of real tokens reaches k + 1
+                valid = self.new_valid.index_select(0, rows)
+                rank = valid.long().cumsum(-1) - 1
+                cols = ((rank == offsets.view(-1, 1)) & valid).long().argmax(-1)  # argmax: no nonzero(), no sync
+            self._memo["ring_src"] = (rows, cols)
         rows, cols = self._memo["ring_src"]
         return query[rows, :, cols]
 

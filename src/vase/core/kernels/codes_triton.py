@@ -1,10 +1,13 @@
 """Decode attention over quantized codes as a Triton kernel (CUDA): the GPU twin of ``codes_attention.cpp``.
 
-One program per (row, KV head), every query head of its GQA group together; the quantized slots are read in blocks of
-``BLOCK_T`` entries, their codes unpacked and scaled in registers (no dequantized copy in memory), then the
-full-precision store, all in one online softmax (flash-decoding). Same arguments and validity rules as
-:func:`vase.core.codes.decode_attention`. Tested on CPU through Triton's interpreter (``TRITON_INTERPRET=1``) against
-the torch implementation.
+Programs per (row, KV head) and split, every query head of its GQA group together: each split reads its share of the
+quantized slots in blocks of ``BLOCK_T`` entries, unpacks and scales their codes in registers (no dequantized copy in
+memory) under an online softmax; the last split also reads the full-precision store. With one split the program
+normalizes and writes the output; with several (flash-decoding, after Dao et al., "Flash-Decoding for long-context
+inference", 2023) each writes its running maximum, denominator and accumulator, and a second kernel merges them. A
+batch of one row with 8 KV heads is 8 programs without a split, a few percent of an H100's or H200's 132 SMs; the
+split fills them. Same arguments and validity rules as :func:`vase.core.codes.decode_attention`. Tested on CPU
+through Triton's interpreter (``TRITON_INTERPRET=1``) against the torch implementation, with one split and several.
 """
 
 from __future__ import annotations
@@ -35,9 +38,14 @@ def _codes_attention_kernel(
     recent_ptr,
     sinks_ptr,
     out_ptr,
+    part_m_ptr,
+    part_d_ptr,
+    part_a_ptr,
     scaling,
     L,
     CAP,
+    CHUNK,
+    NSPLIT,
     H: tl.constexpr,
     G: tl.constexpr,
     GP: tl.constexpr,
@@ -49,8 +57,10 @@ def _codes_attention_kernel(
     F: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     bh = tl.program_id(0)
+    sp = tl.program_id(1)  # this program's split: quantized slots [sp * CHUNK, (sp + 1) * CHUNK)
     b = bh // H
     h = bh % H
     PER: tl.constexpr = 8 // BITS
@@ -71,9 +81,11 @@ def _codes_attention_kernel(
     m = tl.full((GP,), _NEG, tl.float32)
     den = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, DV), tl.float32)
-    for t0 in range(0, L, BLOCK_T):
+    t_lo = sp * CHUNK
+    t_hi = tl.minimum(t_lo + CHUNK, L)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        inside = t < L
+        inside = t < t_hi
         slot = bh * L + t
         ok = inside & (tl.load(qmask_ptr + slot, mask=inside, other=0) != 0)
         ok = ok & (tl.load(pos_ptr + bh * CAP + t, mask=inside, other=-1) >= 0)
@@ -95,7 +107,8 @@ def _codes_attention_kernel(
         m = new
     qlimit = tl.load(qlimit_ptr + b)
     recent = tl.load(recent_ptr + b)
-    for f0 in range(0, F, BLOCK_T):
+    f_hi = tl.where(sp == NSPLIT - 1, F, 0)  # the full-precision store: the last split's
+    for f0 in range(0, f_hi, BLOCK_T):
         f = f0 + tl.arange(0, BLOCK_T)
         inside = f < F
         guard = f < P
@@ -113,10 +126,69 @@ def _codes_attention_kernel(
         den = den * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         m = new
+    if SPLIT:  # partial results, merged by _merge_kernel
+        at = (bh * NSPLIT + sp) * GP + j
+        tl.store(part_m_ptr + at, m)
+        tl.store(part_d_ptr + at, den)
+        tl.store(part_a_ptr + at[:, None] * DV + cv[None, :], acc)
+    else:
+        if HAS_SINKS:
+            den = den + tl.exp(tl.load(sinks_ptr + h * G + j, mask=jok, other=_NEG) - m)
+        out = acc / tl.maximum(den, 1e-30)[:, None]
+        tl.store(out_ptr + (b * H * G + h * G + j)[:, None] * DV + cv[None, :], out, mask=jok[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_m_ptr,
+    part_d_ptr,
+    part_a_ptr,
+    sinks_ptr,
+    out_ptr,
+    NSPLIT,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    DV: tl.constexpr,
+    SP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """One program per (row, KV head): the splits' softmax pieces rescaled to their common maximum and summed."""
+    bh = tl.program_id(0)
+    h = bh % H
+    b = bh // H
+    sp = tl.arange(0, SP)
+    j = tl.arange(0, GP)
+    cv = tl.arange(0, DV)
+    sok = sp < NSPLIT
+    jok = j < G
+    at = (bh * NSPLIT + sp)[:, None] * GP + j[None, :]  # [SP, GP]
+    m = tl.load(part_m_ptr + at, mask=sok[:, None], other=_NEG)
+    den = tl.load(part_d_ptr + at, mask=sok[:, None], other=0.0)
+    top = tl.max(m, axis=0)  # [GP]
+    w = tl.where(sok[:, None], tl.exp(m - top[None, :]), 0.0)
+    total = tl.sum(w * den, axis=0)
+    acc = tl.zeros((GP, DV), tl.float32)
+    for k in range(0, NSPLIT):
+        a = tl.load(part_a_ptr + ((bh * NSPLIT + k) * GP + j)[:, None] * DV + cv[None, :])
+        wk = tl.exp(tl.load(part_m_ptr + (bh * NSPLIT + k) * GP + j) - top)
+        acc += wk[:, None] * a
     if HAS_SINKS:
-        den = den + tl.exp(tl.load(sinks_ptr + h * G + j, mask=jok, other=_NEG) - m)
-    out = acc / tl.maximum(den, 1e-30)[:, None]
+        total = total + tl.exp(tl.load(sinks_ptr + h * G + j, mask=jok, other=_NEG) - top)
+    out = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(out_ptr + (b * H * G + h * G + j)[:, None] * DV + cv[None, :], out, mask=jok[:, None])
+
+
+def split_count(rows_x_heads: int, slots: int, block: int, device: torch.device, splits: int | None = None) -> int:
+    """How many splits of the quantized slots: enough programs for about two per SM of the GPU (one split when
+    ``rows_x_heads`` already fills them), each split at least 4 blocks of slots; ``splits`` forces a count (tests)."""
+    blocks = max(1, -(-slots // block))
+    if splits is None:
+        if device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, min(-(-2 * sms // rows_x_heads), blocks // 4))
+    return max(1, min(int(splits), blocks))
 
 
 def decode_attention_triton(
@@ -134,8 +206,10 @@ def decode_attention_triton(
     bits,
     sinks=None,
     block: int = 32,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """:func:`vase.core.codes.decode_attention` as one Triton launch per layer (see the module docstring).
+    """:func:`vase.core.codes.decode_attention` as one Triton launch per layer, two with a split of the slots (see the
+    module docstring); ``splits``: how many (default: :func:`split_count`).
 
     Raises:
         ValueError: a head dim that is not a power of two (Triton's block shapes).
@@ -150,7 +224,18 @@ def decode_attention_triton(
     out = torch.empty((b, hq, dv), dtype=torch.float32, device=query.device)
     has_sinks = sinks is not None
     sinks_t = sinks.detach().float().contiguous() if has_sinks else out  # any pointer when unused
-    _codes_attention_kernel[(b * h,)](
+    n = split_count(b * h, lim, block, query.device, splits)
+    chunk = -(-max(lim, 1) // n)
+    chunk = -(-chunk // block) * block  # whole blocks per split
+    n = max(1, -(-lim // chunk))
+    gp = triton.next_power_of_2(g)
+    if n > 1:
+        part_m = torch.empty((b * h, n, gp), dtype=torch.float32, device=query.device)
+        part_d = torch.empty_like(part_m)
+        part_a = torch.empty((b * h, n, gp, dv), dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_d = part_a = out  # unused
+    _codes_attention_kernel[(b * h, n)](
         query.contiguous(),
         factors.float().contiguous(),
         kq.contiguous(),
@@ -168,12 +253,17 @@ def decode_attention_triton(
         recent.contiguous(),
         sinks_t,
         out,
+        part_m,
+        part_d,
+        part_a,
         float(scaling),
         lim,
         positions.shape[2],
+        chunk,
+        n,
         H=h,
         G=g,
-        GP=triton.next_power_of_2(g),
+        GP=gp,
         D=d,
         DV=dv,
         NG=ks.shape[-1],
@@ -182,5 +272,11 @@ def decode_attention_triton(
         F=fp_k.shape[2],
         BLOCK_T=block,
         HAS_SINKS=has_sinks,
+        SPLIT=n > 1,
     )
+    if n > 1:
+        _merge_kernel[(b * h,)](
+            part_m, part_d, part_a, sinks_t, out, n, H=h, G=g, GP=gp, DV=dv, SP=triton.next_power_of_2(n),
+            HAS_SINKS=has_sinks,
+        )  # fmt: skip
     return out.to(query.dtype)
