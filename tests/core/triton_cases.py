@@ -56,6 +56,19 @@ def test_split_slots_equal_one_program(splits, sinks):
     torch.testing.assert_close(one, codes.decode_attention(**a, backend="torch"), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_products_stay_close(dtype):
+    """bfloat16 or float16 queries: the products run on the tensor cores in that dtype (float32 accumulation), as the
+    model's own attention does; the result stays within the dtype's rounding of the float32 path's."""
+    a = store(4, b=2, h=2, g=3, d=32, lim=70, p=5, r=8, group=16, dtype=dtype, seed=11)
+    a = on_device(a)
+    out = codes.decode_attention(**a, backend="triton")
+    assert out.dtype == dtype
+    ref = codes.decode_attention(**{**a, "query": a["query"].float(), "fp_k": a["fp_k"].float(),
+                                    "fp_v": a["fp_v"].float()}, backend="torch")  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_triton_kernel_refuses_a_head_dim_that_is_not_a_power_of_two():
     a = on_device(store(8, b=1, h=1, g=1, d=48, lim=30, p=0, r=4, group=16))
     with pytest.raises(ValueError, match="power-of-two head dim"):

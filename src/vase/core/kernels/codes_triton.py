@@ -1,6 +1,7 @@
 """Decode attention over quantized codes as a Triton kernel (CUDA): the GPU twin of ``codes_attention.cpp``.
 
-Programs per (row, KV head) and split, every query head of its GQA group together: each split reads its share of the
+Programs per (row, KV head) and split, every query head of its GQA group together (padded to 16 rows, one tensor-core
+product per block of entries, in the query's dtype with float32 accumulation): each split reads its share of the
 quantized slots in blocks of ``BLOCK_T`` entries, unpacks and scales their codes in registers (no dequantized copy in
 memory) under an online softmax; the last split also reads the full-precision store. With one split the program
 normalizes and writes the output; with several (flash-decoding, after Dao et al., "Flash-Decoding for long-context
@@ -12,11 +13,25 @@ through Triton's interpreter (``TRITON_INTERPRET=1``) against the torch implemen
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 _NEG = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels may read no other globals (the interpreter may)
+
+
+@triton.jit
+def _dot(a, b, LOWP: tl.constexpr):
+    """``a @ b`` accumulated in float32 on the tensor cores: operands in bfloat16 (``LOWP`` 1) or float16 (2), the
+    precision of the model's own attention and of the dequantize path's workspace; float32 exactly (0)."""
+    if LOWP == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif LOWP == 2:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -58,6 +73,7 @@ def _codes_attention_kernel(
     BLOCK_T: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
+    LOWP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)  # this program's split: quantized slots [sp * CHUNK, (sp + 1) * CHUNK)
@@ -93,7 +109,7 @@ def _codes_attention_kernel(
         kst = tl.load(ks_ptr + slot[:, None] * NG + k_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         kmn = tl.load(kz_ptr + slot[:, None] * NG + k_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         keys = kmn + kst * ((kb >> k_shift[None, :]) & MASK).to(tl.float32)  # [BLOCK_T, D], in registers
-        s = tl.sum(q_k[:, None, :] * keys[None, :, :], axis=2)  # [GP, BLOCK_T]
+        s = _dot(q_k, tl.trans(keys), LOWP)  # [GP, BLOCK_T]
         s = tl.where(ok[None, :], s, _NEG)
         new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - new)
@@ -103,7 +119,7 @@ def _codes_attention_kernel(
         vmn = tl.load(vz_ptr + slot[:, None] * NG + v_group[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         values = vmn + vst * ((vb >> v_shift[None, :]) & MASK).to(tl.float32)  # [BLOCK_T, DV]
         den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + _dot(p, values, LOWP)
         m = new
     qlimit = tl.load(qlimit_ptr + b)
     recent = tl.load(recent_ptr + b)
@@ -117,14 +133,14 @@ def _codes_attention_kernel(
         ok = inside & tl.where(guard, (slot < qlimit) & held, (f - P) < recent)
         row = bh * F + f
         keys = tl.load(fk_ptr + row[:, None] * D + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q_fp[:, None, :] * keys[None, :, :], axis=2)
+        s = _dot(q_fp, tl.trans(keys), LOWP)
         s = tl.where(ok[None, :], s, _NEG)
         new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - new)
         p = tl.where(ok[None, :], tl.exp(s - new[:, None]), 0.0)
         values = tl.load(fv_ptr + row[:, None] * DV + cv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + _dot(p, values, LOWP)
         m = new
     if SPLIT:  # partial results, merged by _merge_kernel
         at = (bh * NSPLIT + sp) * GP + j
@@ -179,6 +195,14 @@ def _merge_kernel(
     tl.store(out_ptr + (b * H * G + h * G + j)[:, None] * DV + cv[None, :], out, mask=jok[:, None])
 
 
+def _low_precision(dtype: torch.dtype) -> int:
+    """The products' operand dtype for queries of ``dtype`` (see ``_dot``). Triton's interpreter (3.9) multiplies
+    bfloat16 operands wrongly, so under it bfloat16 queries take the float32 product."""
+    if dtype == torch.bfloat16:
+        return 0 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    return 2 if dtype == torch.float16 else 0
+
+
 def split_count(rows_x_heads: int, slots: int, block: int, device: torch.device, splits: int | None = None) -> int:
     """How many splits of the quantized slots: enough programs for about two per SM of the GPU (one split when
     ``rows_x_heads`` already fills them), each split at least 4 blocks of slots; ``splits`` forces a count (tests)."""
@@ -228,7 +252,7 @@ def decode_attention_triton(
     chunk = -(-max(lim, 1) // n)
     chunk = -(-chunk // block) * block  # whole blocks per split
     n = max(1, -(-lim // chunk))
-    gp = triton.next_power_of_2(g)
+    gp = max(16, triton.next_power_of_2(g))  # the tensor cores' smallest tile: the GQA group padded to 16 rows
     if n > 1:
         part_m = torch.empty((b * h, n, gp), dtype=torch.float32, device=query.device)
         part_d = torch.empty_like(part_m)
@@ -273,6 +297,7 @@ def decode_attention_triton(
         BLOCK_T=block,
         HAS_SINKS=has_sinks,
         SPLIT=n > 1,
+        LOWP=_low_precision(query.dtype),
     )
     if n > 1:
         _merge_kernel[(b * h,)](
