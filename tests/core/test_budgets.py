@@ -61,6 +61,25 @@ def test_head_counts_ragged_rows_and_errors():
         head_counts(scores, cand, torch.tensor([7]))
     with pytest.raises(ValueError, match="cap"):
         head_counts(scores, cand, torch.tensor([3]), cap=2)
+    # a cap as a device scalar, and the checks off (the eviction path on a GPU): the same counts
+    assert torch.equal(
+        head_counts(scores2, cand.expand(2, 6), torch.tensor([3, 1]), 0.0, torch.tensor(6), False), counts
+    )
+
+
+@pytest.mark.parametrize("heads", ["uniform", "adakv"])
+def test_a_layer_budget_above_what_the_layer_holds_keeps_everything(heads):
+    """Pyramid budgets at 32 on two layers: 51 and 13 slots. The prompt's eviction (40 tokens) asks layer 0 for more
+    than it holds: it keeps all 40 (with AdaKV it once asked for 39 chosen of 28 candidates and failed); layer 1 keeps
+    its 13: the 4 sinks, the 8 recent and one chosen."""
+    model = tiny_model("llama")
+    cache = vase.EvictingCache(model, policy=f"snapkv:head_budget={heads}:layer_budget=pyramid", budget=32, buffer=8)
+    model(input_ids=random_ids(40), **cache_kwargs(cache))
+    assert cache.stats().evictions == 1
+    first, second = ([sorted(p[p >= 0].tolist()) for p in layer.positions[0]] for layer in cache.layers)
+    assert first == [list(range(40))] * 2
+    for kept in second:
+        assert kept[:4] == [0, 1, 2, 3] and kept[-8:] == list(range(32, 40)) and len(kept) == 13
 
 
 def test_pyramid_budgets_linear_and_exact_total():
