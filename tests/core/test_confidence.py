@@ -212,20 +212,34 @@ def test_generate_feeds_the_confidence_and_warns_without_it():
 
 def test_harness_generate_and_replay_with_a_confidence_budget():
     """``vase.generate`` runs with the feed; the teacher-forced replay equals token-by-token decoding fed the same
-    way (the evicting token in its own pass, so each eviction sees every prediction before it)."""
-    from vase.harness.fidelity import replay
+    way (the evicting token in its own pass, so each eviction sees every prediction before it). The fidelity records'
+    ``kept_mean`` (what the rule kept after each eviction, averaged) equals the token-by-token cache's."""
+    from vase.harness.fidelity import KeptAfterEviction, replay
 
     model = tiny_model("llama", "sdpa", layers=2)
     prompt, cont = random_ids(20, seed=8)[0], random_ids(70, seed=9)[0]
     policy = "vase:step_budget=confidence"
-    logprobs, cache = replay(model, prompt, cont, policy, BUDGET, BUFFER, record=True)
+    hook = KeptAfterEviction()
+    logprobs, cache = replay(model, prompt, cont, policy, BUDGET, BUFFER, record=True, on_chunk=hook)
     step = vase.EvictingCache(model, policy=policy, budget=BUDGET, buffer=BUFFER)
+    kept, ev = [], 0
+
+    def live(c) -> float:
+        return sum(float((layer.positions[0] >= 0).sum(-1).float().mean()) for layer in c.layers) / len(c.layers)
+
     with torch.no_grad():
         out = [model(input_ids=prompt.view(1, -1), **cache_kwargs(step)).logits[0, -1:]]
         step.observe_confidence(out[-1])
         for t in cont[:-1]:
             out.append(model(input_ids=t.view(1, 1), **cache_kwargs(step)).logits[0])
             step.observe_confidence(out[-1])
+            if step.stats().evictions > ev:
+                ev = step.stats().evictions
+                kept.append(live(step))
     torch.testing.assert_close(logprobs, torch.log_softmax(torch.cat(out), -1), atol=1e-4, rtol=1e-4)
     assert cache.stats().evictions == step.stats().evictions >= 5
     assert _kept(cache) == _kept(step)
+    assert hook.kept == kept and len(kept) == step.stats().evictions
+    fields = hook.fields(BUDGET)
+    assert fields["kept_mean"] == sum(kept) / len(kept) and fields["kept_share"] == fields["kept_mean"] / BUDGET
+    assert KeptAfterEviction().fields(BUDGET) == {}

@@ -176,6 +176,20 @@ def test_report_against_a_chosen_reference(tmp_path):
     assert "| vase | -0.0300 ± 0.0041 (lower on 4 of 4 sources) |" in (tmp_path / "cli" / "REPORT.md").read_text()
 
 
+def test_report_shows_what_a_confidence_budget_kept(tmp_path):
+    """Records with ``kept_share`` (a confidence step budget's fidelity run) add a table of the entries kept after each
+    eviction, % of the budget: the mean over sources."""
+    recs = fid_records()
+    for i, r in enumerate(r for r in recs if r["policy"] == "vase"):
+        r["kept_share"] = [0.5, 0.7, 0.9, 0.7][i % 4] if r["ratio"] == 4.0 else 1.1
+        r["kept_mean"] = r["kept_share"] * r["budget"]
+    text = write_report(fid_dir(tmp_path, recs), tmp_path / "out").read_text()
+    assert "Entries kept after each eviction by the confidence step budget, % of the budget" in text
+    assert "| vase | 70.0 | 110.0 |" in text
+    assert "| h2o | " in text and "| h2o | 70" not in text  # only the policies that have the field
+    assert summarize(recs)[0]["kept_share"] is None  # the others: none
+
+
 def test_report_header_without_config_and_labels_within_tolerance(tmp_path):
     text = write_report(fid_dir(tmp_path, config=False), tmp_path / "out").read_text()
     assert "- config.json: none in the folder; the fields below come from the records alone" in text

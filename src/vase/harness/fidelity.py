@@ -375,13 +375,18 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                         extra = {**extra, **_memory(kind, cfg, None, length, budgets[policy])}
                         results.append((policy, scores, {**extra, **same_bytes[(s["id"], policy)]}))
                         continue
-                    pol, cache = replay(lm.model, prompt, cont, seed=config.seed, record=True, config=cfg)
+                    kept = KeptAfterEviction() if cfg.policy.confidence_budget else None
+                    pol, cache = replay(
+                        lm.model, prompt, cont, seed=config.seed, record=True, config=cfg, on_chunk=kept
+                    )  # fmt: skip
                     extra = {"planted_kept": kept_share(cache, config.plant_layers, positions)} if plant else {}
                     if plant and cache.quantized:
                         extra["planted_full_precision"] = full_precision_share(cache, config.plant_layers, positions)
                     extra.update(guard_counts(cache))
                     extra.update(adaptive_slots(cache))
                     extra.update(_memory(kind, cfg, cache, length, budgets[policy]))
+                    if kept is not None:
+                        extra.update(kept.fields(budgets[policy]))
                     scores = compare(ref, pol, cont, config.bucket)
                     results.append((policy, scores, extra))
                     if cache.quantized and not cfg.policy.evicts:
@@ -420,6 +425,30 @@ def guard_counts(cache) -> dict:
     st = cache.stats()
     per = st.protected / (st.evictions * st.layers * cache.num_kv_heads * max(st.batch, 1)) if st.evictions else 0.0
     return {"protected": st.protected, "protected_per_eviction": per}
+
+
+class KeptAfterEviction:
+    """An ``on_chunk`` hook of :func:`replay` for a confidence step budget, whose records otherwise give only the
+    nominal budget: the entries each (layer, KV head) holds right after each eviction, averaged over the evicting
+    layers and KV heads. ``fields(budget)`` gives ``kept_mean`` (tokens, mean over evictions) and ``kept_share``
+    (``kept_mean / budget``), or ``{}`` when nothing was evicted."""
+
+    def __init__(self):
+        self.kept: list[float] = []
+        self._evictions = 0
+
+    def __call__(self, cache, seen: int) -> None:
+        n = cache.stats().evictions
+        if n > self._evictions:  # chunks end at evictions: what the cache holds now is what the last one kept
+            self._evictions = n
+            live = [(layer.positions[0] >= 0).sum(-1).float().mean().item() for layer in cache.layers]
+            self.kept.append(sum(live) / len(live))
+
+    def fields(self, budget: int) -> dict:
+        if not self.kept:
+            return {}
+        mean = sum(self.kept) / len(self.kept)
+        return {"kept_mean": mean, "kept_share": mean / budget}
 
 
 def adaptive_slots(cache) -> dict:
@@ -480,6 +509,9 @@ def summarize(records: list[dict]) -> list[dict]:
                 ),
                 "planted_kept": (
                     100 * sum(r["planted_kept"] for r in recs) / n if all("planted_kept" in r for r in recs) else None
+                ),
+                "kept_share": (
+                    100 * sum(r["kept_share"] for r in recs) / n if all("kept_share" in r for r in recs) else None
                 ),
                 "buckets": [
                     {

@@ -221,6 +221,21 @@ def fidelity_section(
             for w in warnings:
                 lines += [w, ""]
 
+    kept_rows = [p for p in policies if any(by.get((p, s), {}).get("kept_share") is not None for s in sizes)]
+    if kept_rows:  # confidence step budgets: what the rule kept, against the nominal budget of the size's label
+        lines += [
+            "Entries kept after each eviction by the confidence step budget, % of the budget (mean over evictions, "
+            "layers, KV heads and sources; the budget is what the size's label and compression count):",
+            "",
+            "| policy | " + " | ".join(label(s) for s in sizes) + " |",
+            "|---" * (len(sizes) + 1) + "|",
+        ]
+        for p in kept_rows:
+            cells = [_one(by[(p, s)]["kept_share"]) if by.get((p, s), {}).get("kept_share") is not None else "—"
+                     for s in sizes]  # fmt: skip
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+        lines.append("")
+
     # paired differences to the reference
     evicting = [p for p in policies if p != "full"]
     refs = references(by, sizes, policies, against)
