@@ -489,7 +489,8 @@ def test_hybrid_models_with_adaptive_budgets(fam):
 def test_fidelity_replay_with_adaptive_budgets_reports_its_memory():
     """Teacher-forced replay (chunks ending where the cache evicts) runs with adaptive budgets, equals token-by-token
     decoding, and its record says the slots and the memory compression the cap really gives."""
-    from vase.harness.fidelity import adaptive_slots, replay
+    from vase.harness.fidelity import replay
+    from vase.harness.held import adaptive_slots
 
     model = tiny_model("llama", "sdpa", layers=3)
     prompt, cont = random_ids(30, seed=8)[0], random_ids(60, seed=9)[0]

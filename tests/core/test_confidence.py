@@ -214,7 +214,8 @@ def test_harness_generate_and_replay_with_a_confidence_budget():
     """``vase.generate`` runs with the feed; the teacher-forced replay equals token-by-token decoding fed the same
     way (the evicting token in its own pass, so each eviction sees every prediction before it). The fidelity records'
     ``kept_mean`` (what the rule kept after each eviction, averaged) equals the token-by-token cache's."""
-    from vase.harness.fidelity import KeptAfterEviction, replay
+    from vase.harness.fidelity import replay
+    from vase.harness.held import KeptAfterEviction
 
     model = tiny_model("llama", "sdpa", layers=2)
     prompt, cont = random_ids(20, seed=8)[0], random_ids(70, seed=9)[0]

@@ -451,7 +451,8 @@ def test_new_options_generate_end_to_end(spec, attn):
 
 
 def test_fidelity_records_guard_counts():
-    from vase.harness.fidelity import guard_counts, replay
+    from vase.harness.fidelity import replay
+    from vase.harness.held import guard_counts
 
     model = tiny_model("llama")
     prompt, cont = random_ids(12)[0], random_ids(60, seed=3)[0]

@@ -26,6 +26,7 @@ from ..hf.compat import cache_kwargs
 from ..hf.models import check_load_options, resolve_device, resolve_dtype
 from .data import load_problems
 from .evaluate import RunConfig, append_records, check_same_config, prepare_dir, read_records
+from .held import KeptAfterEviction, adaptive_slots, guard_counts, memory_fields
 from .notes import warn
 from .outliers import PlantedValues, full_precision_share, kept_share
 from .traces import SOURCES_FILE, build_sources, text_file, text_sources
@@ -232,26 +233,6 @@ def policy_budgets(config: FidelityConfig, configs: dict, source: dict, kind: st
     return out
 
 
-def _memory(kind: str, cfg: VaseConfig, cache, length: int, budget: int) -> dict:
-    """The byte fields of a record with ``kv_bits`` or at a byte ratio: ``byte_ratio`` asked, ``kv_bits``,
-    ``kept_compression`` (the full cache's bytes for the sequence over the bytes of what a compaction keeps, the budget
-    at the policy's cost per token with its full-precision window: what a byte ratio asks for), ``bytes_held`` /
-    ``bytes_full`` (every byte the evicting layers store at the end, and a full cache's) and ``memory_compression``
-    (their ratio); ``{}`` for other records (so records without kv_bits and byte ratios are as before)."""
-    if kind != "bytes" and cfg.kv_bits is None:
-        return {}
-    kept = length if not cfg.policy.evicts else min(budget, length)
-    out = {"byte_ratio": None, "kv_bits": cfg.kv_bits, "kept_compression": length / cfg.kept_bytes(kept)}
-    if kind == "bytes":
-        out["byte_ratio"] = cfg.byte_ratio
-    if cache is not None:
-        st = cache.stats()
-        out.update(bytes_held=st.bytes_held, bytes_full=st.bytes_full, memory_compression=st.compression)
-    else:
-        out["memory_compression"] = 1.0
-    return out
-
-
 def run_notes(config: FidelityConfig, configs: dict, plan: list[tuple]) -> list[str]:
     """What a user must know before trusting a run's labels: per ratio, when the budgets the sources get (the floor
     ``sinks + buffer + 1``, or the published preset's rounding) compress them by less than 95% of the ratio asked;
@@ -367,12 +348,14 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                 for policy in todo:
                     if policy == "full":
                         scores = compare(ref, ref, cont, config.bucket)
-                        results.append((policy, scores, _memory(kind, configs[(policy, kind, value)], None, length, 0)))
+                        results.append(
+                            (policy, scores, memory_fields(kind, configs[(policy, kind, value)], None, length, 0))
+                        )
                         continue
                     cfg = configs[(policy, kind, value)].with_budget(budgets[policy])
                     if (s["id"], policy) in same:  # the same replay whatever the size: the size's own labels
                         scores, extra = same[(s["id"], policy)]
-                        extra = {**extra, **_memory(kind, cfg, None, length, budgets[policy])}
+                        extra = {**extra, **memory_fields(kind, cfg, None, length, budgets[policy])}
                         results.append((policy, scores, {**extra, **same_bytes[(s["id"], policy)]}))
                         continue
                     kept = KeptAfterEviction() if cfg.policy.confidence_budget else None
@@ -384,7 +367,7 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                         extra["planted_full_precision"] = full_precision_share(cache, config.plant_layers, positions)
                     extra.update(guard_counts(cache))
                     extra.update(adaptive_slots(cache))
-                    extra.update(_memory(kind, cfg, cache, length, budgets[policy]))
+                    extra.update(memory_fields(kind, cfg, cache, length, budgets[policy]))
                     if kept is not None:
                         extra.update(kept.fields(budgets[policy]))
                     scores = compare(ref, pol, cont, config.bucket)
@@ -415,49 +398,6 @@ def run_fidelity(config: FidelityConfig, out: Path, device: str = "auto", progre
                 bar.update(1)
     bar.close()
     return path
-
-
-def guard_counts(cache) -> dict:
-    """``{"protected": total slots the value guard protected, "protected_per_eviction": mean per (layer, KV head)
-    eviction}`` for a batch-1 replay's cache, or ``{}`` for a policy without a guard."""
-    if cache.policy.guard is None:
-        return {}
-    st = cache.stats()
-    per = st.protected / (st.evictions * st.layers * cache.num_kv_heads * max(st.batch, 1)) if st.evictions else 0.0
-    return {"protected": st.protected, "protected_per_eviction": per}
-
-
-class KeptAfterEviction:
-    """An ``on_chunk`` hook of :func:`replay` for a confidence step budget, whose records otherwise give only the
-    nominal budget: the entries each (layer, KV head) holds right after each eviction, averaged over the evicting
-    layers and KV heads. ``fields(budget)`` gives ``kept_mean`` (tokens, mean over evictions) and ``kept_share``
-    (``kept_mean / budget``), or ``{}`` when nothing was evicted."""
-
-    def __init__(self):
-        self.kept: list[float] = []
-        self._evictions = 0
-
-    def __call__(self, cache, seen: int) -> None:
-        n = cache.stats().evictions
-        if n > self._evictions:  # chunks end at evictions: what the cache holds now is what the last one kept
-            self._evictions = n
-            live = [(layer.positions[0] >= 0).sum(-1).float().mean().item() for layer in cache.layers]
-            self.kept.append(sum(live) / len(live))
-
-    def fields(self, budget: int) -> dict:
-        if not self.kept:
-            return {}
-        mean = sum(self.kept) / len(self.kept)
-        return {"kept_mean": mean, "kept_share": mean / budget}
-
-
-def adaptive_slots(cache) -> dict:
-    """``{"slots": physical slots per (layer, KV head) for kept tokens, "memory_compression": full-cache bytes over
-    bytes held at the end}`` for a policy with adaptive budgets (``head_budget``/``layer_budget``: its buffers are
-    allocated for ``budget_cap`` x budget, so its memory compression is below ``compression``), or ``{}``."""
-    if not getattr(cache, "adaptive", False):
-        return {}
-    return {"slots": cache.slots, "memory_compression": cache.stats().compression}
 
 
 def summarize(records: list[dict]) -> list[dict]:
