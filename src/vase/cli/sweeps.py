@@ -58,6 +58,12 @@ def eval_cmd(
         None, "--question-field", help="question field of JSONL tasks (default: problem, question, prompt or input)"
     ),
     answer_field: str = typer.Option("answer", "--answer-field", help="reference answer field of JSONL tasks"),
+    kept_dynamics: bool = typer.Option(
+        False,
+        "--kept-dynamics",
+        help="also record how much of each eviction's kept set the next one keeps, and the token where a loop "
+        "begins (the report relates the two)",
+    ),
     model: str | None = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -84,6 +90,7 @@ def eval_cmd(
         buffer=buffer,
         question_field=question_field,
         answer_field=answer_field,
+        kept_dynamics=kept_dynamics,
     )
     _check_sweep(config, batch_size, device)
     check_results_dir(out)

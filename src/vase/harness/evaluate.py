@@ -102,6 +102,7 @@ class EvalConfig(RunConfig):
     question_field: str | None = None
     answer_field: str = "answer"
     policy_options: dict = Field(default_factory=dict)
+    kept_dynamics: bool = False  # record the kept-set overlap at each eviction and the loop's onset
 
     @field_validator("tasks")
     @classmethod
@@ -310,6 +311,7 @@ def run_sweep(
     from tqdm.auto import tqdm
 
     from ..hf.models import load_model
+    from .dynamics import KeptDynamics, record_fields
     from .generation import encode_prompts, generate
     from .grading import grade
     from .loops import loop_flag, paper_loop
@@ -349,13 +351,16 @@ def run_sweep(
             task, _, policy, size, _ = batch[0]
             budget = int(size[1]) if size[0] == "budget" else budgets[(task, size[1])]
             new_tokens, follow_up_tokens = generated_tokens(task, config)
+            cfg = resolved[policy].with_budget(budget)
+            watch = KeptDynamics(cfg.sinks, cfg.recent) if config.kept_dynamics and cfg.policy.evicts else None
             start = time.perf_counter()
             res = generate(
                 lm.model,
                 lm.tokenizer,
                 [u[1].prompt() for u in batch],
-                config=resolved[policy].with_budget(budget),
+                config=cfg,
                 seed=[u[4] for u in batch],
+                observe=watch,
                 max_new_tokens=new_tokens,
                 temperature=config.temperature,
                 top_p=config.top_p,
@@ -369,9 +374,11 @@ def run_sweep(
             seconds = time.perf_counter() - start
             st = res.stats
             done_batch = []
-            for (_, problem, policy, size, seed), comp in zip(batch, res.completions):
+            for i, ((_, problem, policy, size, seed), comp) in enumerate(zip(batch, res.completions)):
                 answer, correct = grade(comp.text, problem.answer, problem.kind)
                 extra = {}
+                if config.kept_dynamics:  # the overlap at each eviction and where the loop begins
+                    extra = record_fields(watch, i, comp, lm.tokenizer)
                 if problem.kind == "ruler":  # the share of reference values found, and where the needles were
                     extra = {"score": ruler_score(comp.text, ruler_references(problem.answer))}
                     extra["meta"] = {k: v for k, v in (problem.meta or {}).items() if k != "ask"}

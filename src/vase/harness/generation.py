@@ -178,6 +178,17 @@ class GenerationResult:
         )
 
 
+class _Observe:
+    """A logits processor that hands the cache to an observer after each forward pass and leaves the scores."""
+
+    def __init__(self, cache, observe):
+        self.cache, self.observe = cache, observe
+
+    def __call__(self, input_ids, scores):
+        self.observe(self.cache)
+        return scores
+
+
 class _Clock:
     """A streamer that notes when the first new token arrives, and forwards to another streamer."""
 
@@ -223,6 +234,7 @@ def generate(
     memory_budget: float | None = None,
     follow_up: Sequence[str] | None = None,
     follow_up_tokens: int = 64,
+    observe=None,
     **policy_options,
 ) -> GenerationResult:
     """Generate from ``prompts`` with an :class:`~vase.EvictingCache`.
@@ -247,6 +259,9 @@ def generate(
             exactly ``max_new_tokens`` tokens (end-of-sequence suppressed until then): a recall test after decode-time
             evictions. The completions are then the answers (at most ``follow_up_tokens``), with what was written
             before in :attr:`Completion.written`.
+        observe: called with the cache after each forward pass of decoding (prefill included), before the next token
+            is chosen: a hook for measurements (e.g. :class:`vase.harness.dynamics.KeptDynamics`); not with
+            ``compile``.
 
     Raises:
         ValueError: empty prompt, a prompt longer than the model's context, or an option out of range (see
@@ -287,6 +302,8 @@ def generate(
             raise ValueError("give either config= or the policy and size arguments, not both")
         check_decoding(max_new_tokens, min_new_tokens, temperature, top_p, top_k)
     compile = config.compile
+    if observe is not None and compile:
+        raise ValueError("observe= reads the cache between steps, which compiled decoding defers: use one or the other")
     enc = encode_prompts(tokenizer, prompts, chat=chat, system=system)
     device = next(model.parameters()).device
     enc = enc.to(device)
@@ -326,8 +343,13 @@ def generate(
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
     if compile:
         gen_kwargs.update(compile_config=compile_config(device))
+    processors = []
     if config.policy.confidence_budget:  # the cache follows the model's confidence at each step
-        gen_kwargs.update(logits_processor=LogitsProcessorList([ConfidenceFeed(cache)]))
+        processors.append(ConfidenceFeed(cache))
+    if observe is not None:
+        processors.append(_Observe(cache, observe))
+    if processors:
+        gen_kwargs.update(logits_processor=LogitsProcessorList(processors))
     clock = _Clock(streamer)
     torch.manual_seed(row_seeds[0])
     start = time.perf_counter()

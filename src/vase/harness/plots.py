@@ -255,3 +255,32 @@ def fidelity_figure(rows: list[dict], sizes: dict[tuple, dict], title: str):
     fig.suptitle(title)
     _legend(fig, (ax1, ax2), len(policies))
     return fig
+
+
+def overlap_figure(curves: dict[str, tuple[list[int], list[float]]]):
+    """The kept-set overlap of looped completions around the loop's onset (:func:`vase.harness.dynamics.
+    aligned_overlap`): one line per policy and size, generated tokens relative to the onset on x (bin starts), the mean
+    overlap of the evictions in each bin on y (0-1), a vertical line at the onset. Returns the figure."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.8), layout="constrained")
+    labels = sorted(curves)
+    styles = policy_styles(policy_order(label.split(" @ ")[0] for label in labels))
+    sizes = sorted({label.split(" @ ")[1] for label in labels}, key=lambda s: float(s.rstrip("x")))
+    for label in labels:
+        x, y = curves[label]
+        policy, size = label.split(" @ ")
+        style = dict(styles[policy], linestyle=("-", "--", ":", "-.")[sizes.index(size) % 4])  # a line style per size
+        ax.plot(x, y, label=label, alpha=0.85, **style)
+    ax.axvline(0, color="#444444", linewidth=1)
+    ax.set(
+        xlabel="generated tokens relative to the loop's onset (bins of 64)",
+        ylabel="overlap of consecutive kept sets",
+        ylim=(-0.03, 1.03),
+    )
+    ax.set_title("kept-set overlap of looped completions around the onset", fontsize=10)
+    _plain_ticks(ax)
+    ax.grid(alpha=0.3)
+    fig.legend(
+        *ax.get_legend_handles_labels(), loc="outside lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False
+    )
+    return fig

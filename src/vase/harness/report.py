@@ -402,7 +402,10 @@ def write_report(results: Path, out: Path, against: str | None = None) -> Path:
     config = read_config(results)
     lines = header(results, config, evals, fid)
     if evals:
+        from .dynamics import dynamics_section
+
         lines += eval_section(evals, out, config)
+        lines += dynamics_section(evals, out)
     if fid:
         lines += fidelity_section(fid, out, config, against)
     if mech:
