@@ -88,9 +88,11 @@ def test_a_loop_longer_than_the_tail_read_for_the_flag_is_counted_from_its_start
     assert abs(onset - len(prefix)) <= 2
 
 
-def record(policy, loop, onset, entries, ratio=8.0, budget=100):
+def record(policy, loop, onset, entries, ratio=8.0, budget=100, problem="p0"):
     return {
         "task": "t",
+        "problem_id": problem,
+        "seed": 0,
         "policy": policy,
         "ratio": ratio,
         "budget": budget,
@@ -107,6 +109,11 @@ def test_fixed_point_rows_on_hand_made_records():
         record("full", False, None, None),  # no dynamics: not in the table
     ]
     (row,) = fixed_point_rows(recs, window=256)
+    assert row["induced"] == 1 and row["induced_before"] == pytest.approx(0.7) and row["induced_after"] == 1.0
+    recs[0]["problem_id"] = "p1"  # the full cache looped on p1: not eviction's loop
+    recs.append(record("full", True, 100, None, problem="p1"))
+    (row,) = fixed_point_rows(recs, window=256)
+    assert row["induced"] == 0 and math.isnan(row["induced_before"])
     assert row["completions"] == 2 and row["loops"] == 1 and row["onset_median"] == 300
     assert row["overlap"] == pytest.approx((0.5 + 0.9 + 1 + 1 + 0.4 + 0.5 + 0.6 + 0.7) / 8)
     assert row["settled"] == pytest.approx(3.5 / 8)

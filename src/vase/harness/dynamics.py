@@ -142,7 +142,13 @@ def fixed_point_rows(records: list[dict], window: int = WINDOW) -> list[dict]:
     generated tokens before the onset and after it, the same stretches of the completions that did not loop (at the
     looped ones' median onset), and the share of looped completions whose kept set had settled (an eviction with
     every (layer, KV head) at overlap >= :data:`SETTLED`) before the onset, against the share of the others that
-    ever settle."""
+    ever settle.
+
+    With ``full`` records of the same problems and seeds in ``records``, ``induced`` counts the loops the full cache
+    does not make on the same problem (eviction's own loops: with greedy decoding the full cache's completion is the
+    one the policy would write without eviction), with their overlap before / after the onset and how many had settled
+    before it (``induced_*``)."""
+    full = {(r["task"], r.get("problem_id"), r.get("seed")): r["loop"] for r in records if r["policy"] == "full"}
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if r.get("kept_overlap") is not None:
@@ -151,39 +157,43 @@ def fixed_point_rows(records: list[dict], window: int = WINDOW) -> list[dict]:
     for (task, policy, ratio, budget), recs in sorted(groups.items(), key=lambda kv: str(kv[0])):
         looped = [r for r in recs if r.get("loop") and r.get("loop_onset") is not None]
         other = [r for r in recs if not r.get("loop")]
+        induced = [r for r in looped if full.get((r["task"], r.get("problem_id"), r.get("seed"))) is False]
         onsets = sorted(r["loop_onset"] for r in looped)
         mid = onsets[len(onsets) // 2] if onsets else None
         every = [e for r in recs for e in r["kept_overlap"]]
-        rows.append(
-            {
-                "task": task,
-                "policy": policy,
-                "ratio": ratio,
-                "budget": budget,
-                "completions": len(recs),
-                "loops": len(looped),
-                "onset_median": mid,
-                "overlap": _nanmean([e[1] for e in every]),
-                "settled": _nanmean([e[2] for e in every]),
-                "before": _nanmean(
-                    [e[1] for r in looped for e in _stretch(r, r["loop_onset"] - window, r["loop_onset"])]
-                ),
-                "after": _nanmean(
-                    [e[1] for r in looped for e in _stretch(r, r["loop_onset"], r["loop_onset"] + window)]
-                ),
-                "other_before": _nanmean([e[1] for r in other for e in _stretch(r, mid - window, mid)])
-                if mid is not None
-                else math.nan,
-                "other_after": _nanmean([e[1] for r in other for e in _stretch(r, mid, mid + window)])
-                if mid is not None
-                else math.nan,
-                "settled_before_onset": _share(
-                    [any(e[2] >= 1.0 for e in _stretch(r, 0, r["loop_onset"])) for r in looped]
-                ),
-                "other_settled": _share([any(e[2] >= 1.0 for e in r["kept_overlap"]) for r in other]),
-            }
-        )
+        row = {
+            "task": task,
+            "policy": policy,
+            "ratio": ratio,
+            "budget": budget,
+            "completions": len(recs),
+            "loops": len(looped),
+            "onset_median": mid,
+            "overlap": _nanmean([e[1] for e in every]),
+            "settled": _nanmean([e[2] for e in every]),
+            **_around_onset(looped, window),
+            "other_before": _nanmean([e[1] for r in other for e in _stretch(r, mid - window, mid)])
+            if mid is not None
+            else math.nan,
+            "other_after": _nanmean([e[1] for r in other for e in _stretch(r, mid, mid + window)])
+            if mid is not None
+            else math.nan,
+            "other_settled": _share([any(e[2] >= 1.0 for e in r["kept_overlap"]) for r in other]),
+            "induced": len(induced) if full else None,
+        }
+        row.update({"induced_" + k: v for k, v in _around_onset(induced, window).items()})
+        rows.append(row)
     return rows
+
+
+def _around_onset(looped: list[dict], window: int) -> dict:
+    """``before`` / ``after``: the mean overlap of the evictions in the ``window`` tokens before / from each onset;
+    ``settled_before_onset``: the share of the completions with a settled eviction before their onset."""
+    return {
+        "before": _nanmean([e[1] for r in looped for e in _stretch(r, r["loop_onset"] - window, r["loop_onset"])]),
+        "after": _nanmean([e[1] for r in looped for e in _stretch(r, r["loop_onset"], r["loop_onset"] + window)]),
+        "settled_before_onset": _share([any(e[2] >= 1.0 for e in _stretch(r, 0, r["loop_onset"])) for r in looped]),
+    }
 
 
 def _stretch(rec: dict, start: float, end: float) -> list[list[float]]:
@@ -242,11 +252,14 @@ def dynamics_section(records: list[dict], out: Path) -> list[str]:
         f"one kept, mean over (layer, KV head); before / after: over the {WINDOW} generated tokens before and after "
         "a looped completion's onset (the first token of the loop it ends in), and for the completions that did not "
         "loop over the same stretches at the looped ones' median onset. Settled: an eviction at which every (layer, "
-        f"KV head) kept at least {SETTLED:.0%} of what the previous one chose.",
+        f"KV head) kept at least {SETTLED:.0%} of what the previous one chose. Loops the full cache does not make: "
+        "looped completions of problems (and seeds) whose full-cache completion did not loop (with `full` in the "
+        "same run and greedy decoding, the loops eviction caused).",
         "",
         "| task | policy | size | completions | loops | median onset | overlap | looped: before | looped: after "
-        "| others: before | others: after | looped, settled before onset (%) | others, ever settled (%) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| others: before | others: after | looped, settled before onset (%) | others, ever settled (%) "
+        "| loops the full cache does not make | those: before | those: after | those, settled before onset (%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         size = f"{r['ratio']:g}x ({r['budget']})" if r["ratio"] else str(r["budget"])
@@ -254,7 +267,9 @@ def dynamics_section(records: list[dict], out: Path) -> list[str]:
         lines.append(
             f"| {r['task']} | {r['policy']} | {size} | {r['completions']} | {r['loops']} | {onset} | {f(r['overlap'])} "
             f"| {f(r['before'])} | {f(r['after'])} | {f(r['other_before'])} | {f(r['other_after'])} "
-            f"| {pct(r['settled_before_onset'])} | {pct(r['other_settled'])} |"
+            f"| {pct(r['settled_before_onset'])} | {pct(r['other_settled'])} "
+            f"| {'—' if r['induced'] is None else r['induced']} | {f(r['induced_before'])} | {f(r['induced_after'])} "
+            f"| {pct(r['induced_settled_before_onset'])} |"
         )
     lines.append("")
     curves = aligned_overlap(records)
