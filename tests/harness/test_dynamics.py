@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_lm
-from vase.harness.dynamics import KeptDynamics, aligned_overlap, fixed_point_rows, loop_onset
+from vase.harness.dynamics import KeptDynamics, aligned_overlap, fixed_point_rows, loop_onset, record_fields
 from vase.harness.evaluate import EvalConfig, read_records, run_sweep
 from vase.harness.report import write_report
 
@@ -159,3 +159,19 @@ def test_sweep_with_kept_dynamics_records_and_reports(tmp_path):
     report = write_report(tmp_path / "run", tmp_path / "rep").read_text()
     assert "## Kept-set dynamics and loops (free generation)" in report
     assert "| mini | snapkv | 24 | 3 | 0 | — | 1.000 |" in report
+
+
+def test_a_row_that_ended_keeps_only_the_evictions_of_its_own_completion():
+    watch = KeptDynamics(sinks=1, recent=2)
+    watch.rows = [[[8, 0.5, 0.0], [16, 0.6, 0.0], [24, 0.7, 0.0]]]
+    done = SimpleNamespace(text="The answer is 4.", finished=True, new_tokens=16, token_ids=list(range(16)))
+    assert record_fields(watch, 0, done, CharTokenizer()) == {
+        "kept_overlap": [[8, 0.5, 0.0], [16, 0.6, 0.0]],
+        "loop_onset": None,
+    }
+    assert record_fields(None, 0, done, CharTokenizer()) == {"kept_overlap": None, "loop_onset": None}
+    # records written before the cut: the report leaves those evictions out as well
+    rec = record("a", False, None, [[8, 0.5, 0.0], [16, 0.6, 0.0], [24, 1.0, 1.0]])
+    rec["new_tokens"] = 16
+    (row,) = fixed_point_rows([rec])
+    assert row["overlap"] == pytest.approx(0.55) and row["other_settled"] == 0.0

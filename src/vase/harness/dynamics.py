@@ -81,13 +81,15 @@ class KeptDynamics:
 
 def record_fields(watch: KeptDynamics | None, row: int, completion, tokenizer) -> dict:
     """The fields ``vase eval --kept-dynamics`` adds to the record of batch row ``row``: ``kept_overlap`` (its
-    :attr:`KeptDynamics.rows` entries; None for a policy that never evicts, ``watch`` None) and ``loop_onset``
+    :attr:`KeptDynamics.rows` entries up to its last token: a row that ended goes on evicting while the rest of its
+    batch generates; None for a policy that never evicts, ``watch`` None) and ``loop_onset``
     (:func:`loop_onset` when the loop flag is set, else None)."""
     from .loops import loop_flag
 
     looped = loop_flag(completion.text, completion.finished)
+    own = [e for e in watch.rows[row] if e[0] <= completion.new_tokens] if watch and row < len(watch.rows) else []
     return {
-        "kept_overlap": (watch.rows[row] if row < len(watch.rows) else []) if watch is not None else None,
+        "kept_overlap": own if watch is not None else None,
         "loop_onset": loop_onset(completion.text, completion.token_ids, tokenizer) if looped else None,
     }
 
@@ -160,7 +162,7 @@ def fixed_point_rows(records: list[dict], window: int = WINDOW) -> list[dict]:
         induced = [r for r in looped if full.get((r["task"], r.get("problem_id"), r.get("seed"))) is False]
         onsets = sorted(r["loop_onset"] for r in looped)
         mid = onsets[len(onsets) // 2] if onsets else None
-        every = [e for r in recs for e in r["kept_overlap"]]
+        every = [e for r in recs for e in _entries(r)]
         row = {
             "task": task,
             "policy": policy,
@@ -178,7 +180,7 @@ def fixed_point_rows(records: list[dict], window: int = WINDOW) -> list[dict]:
             "other_after": _nanmean([e[1] for r in other for e in _stretch(r, mid, mid + window)])
             if mid is not None
             else math.nan,
-            "other_settled": _share([any(e[2] >= 1.0 for e in r["kept_overlap"]) for r in other]),
+            "other_settled": _share([any(e[2] >= 1.0 for e in _entries(r)) for r in other]),
             "induced": len(induced) if full else None,
         }
         row.update({"induced_" + k: v for k, v in _around_onset(induced, window).items()})
@@ -198,7 +200,14 @@ def _around_onset(looped: list[dict], window: int) -> dict:
 
 def _stretch(rec: dict, start: float, end: float) -> list[list[float]]:
     """The evictions of a record made at ``start <= new_tokens < end``."""
-    return [e for e in rec["kept_overlap"] if start <= e[0] < end]
+    return [e for e in _entries(rec) if start <= e[0] < end]
+
+
+def _entries(rec: dict) -> list[list[float]]:
+    """The evictions of a record made while its completion was written: a row that ended (end of sequence) goes on
+    evicting while the rest of its batch generates, and those evictions are not its own."""
+    end = rec.get("new_tokens")
+    return [e for e in rec["kept_overlap"] if end is None or e[0] <= end]
 
 
 def _nanmean(values: list[float]) -> float:
@@ -219,7 +228,7 @@ def aligned_overlap(records: list[dict], bins: int = 64, span: int = 512) -> dic
             continue
         label = f"{r['policy']} @ {r['ratio']:g}x" if r.get("ratio") else f"{r['policy']} @ {r['budget']}"
         sums = out.setdefault(label, {})
-        for t, overlap, _ in r["kept_overlap"]:
+        for t, overlap, _ in _entries(r):
             rel = t - r["loop_onset"]
             if -span <= rel < span and overlap == overlap:
                 b = math.floor(rel / bins) * bins
@@ -248,24 +257,27 @@ def dynamics_section(records: list[dict], out: Path) -> list[str]:
     lines = [
         "## Kept-set dynamics and loops (free generation)",
         "",
-        f"Overlap: the share of the entries one eviction chose (sinks and the recent window left out) that the next "
-        f"one kept, mean over (layer, KV head); before / after: over the {WINDOW} generated tokens before and after "
-        "a looped completion's onset (the first token of the loop it ends in), and for the completions that did not "
-        "loop over the same stretches at the looped ones' median onset. Settled: an eviction at which every (layer, "
-        f"KV head) kept at least {SETTLED:.0%} of what the previous one chose. Loops the full cache does not make: "
-        "looped completions of problems (and seeds) whose full-cache completion did not loop (with `full` in the "
-        "same run and greedy decoding, the loops eviction caused).",
+        "Overlap: the share of the entries one eviction chose (sinks and the recent window left out) that the next "
+        "one kept, mean over (layer, KV head); heads settled: the share of (layer, KV head) that kept at least "
+        f"{SETTLED:.0%} of it, mean over evictions; before / after: over the {WINDOW} generated tokens before and "
+        "after a looped completion's onset (the first token of the loop it ends in), and for the completions that "
+        "did not loop over the same stretches at the looped ones' median onset. Settled: an eviction at which every "
+        f"(layer, KV head) kept at least {SETTLED:.0%} of what the previous one chose. Loops the full cache does not "
+        "make: looped completions of problems (and seeds) whose full-cache completion did not loop (with `full` in "
+        "the same run and greedy decoding, the loops eviction caused).",
         "",
-        "| task | policy | size | completions | loops | median onset | overlap | looped: before | looped: after "
-        "| others: before | others: after | looped, settled before onset (%) | others, ever settled (%) "
-        "| loops the full cache does not make | those: before | those: after | those, settled before onset (%) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | policy | size | completions | loops | median onset | overlap | heads settled (%) "
+        "| looped: before | looped: after | others: before | others: after | looped, settled before onset (%) "
+        "| others, ever settled (%) | loops the full cache does not make | those: before | those: after "
+        "| those, settled before onset (%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         size = f"{r['ratio']:g}x ({r['budget']})" if r["ratio"] else str(r["budget"])
         onset = "—" if r["onset_median"] is None else str(r["onset_median"])
         lines.append(
-            f"| {r['task']} | {r['policy']} | {size} | {r['completions']} | {r['loops']} | {onset} | {f(r['overlap'])} "
+            f"| {r['task']} | {r['policy']} | {size} | {r['completions']} | {r['loops']} | {onset} "
+            f"| {f(r['overlap'])} | {pct(r['settled'])} "
             f"| {f(r['before'])} | {f(r['after'])} | {f(r['other_before'])} | {f(r['other_after'])} "
             f"| {pct(r['settled_before_onset'])} | {pct(r['other_settled'])} "
             f"| {'—' if r['induced'] is None else r['induced']} | {f(r['induced_before'])} | {f(r['induced_after'])} "
