@@ -4,6 +4,7 @@ stores, the bytes they hold, the guard's full-precision entries, ragged batches,
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -146,9 +147,13 @@ def test_bad_sizes_in_bytes_fail_at_resolve(kwargs, message):
         (["fidelity", "--out", "/tmp/vase-never", "--byte-ratios", "0.5"], "byte compression ratio must be > 1"),
     ],
 )
-def test_cli_refuses_bad_quantization_before_loading(args, message):
-    """Exit code 2 and the message within a few seconds: nothing is loaded (the tests' models are not even built)."""
-    out = subprocess.run([sys.executable, "-m", "vase.cli", *args], capture_output=True, text=True, timeout=120)
+def test_cli_refuses_bad_quantization_before_loading(args, message, tmp_path):
+    """Exit code 2 and the message within a few seconds: nothing is loaded (the tests' models are not even built),
+    and no data is read (run where there is no ../shared, as outside this workplace)."""
+    env = {k: v for k, v in os.environ.items() if k != "VASE_DATA_DIR"}
+    out = subprocess.run(
+        [sys.executable, "-m", "vase.cli", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
     assert out.returncode == 2, out.stderr
     assert __import__("re").search(message, out.stderr), out.stderr
     assert "Loading" not in out.stderr

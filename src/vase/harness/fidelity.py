@@ -195,12 +195,9 @@ def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[s
     if config.plant_layers and (min(config.plant_layers) < 0 or not config.plant_scale > 0):
         raise ValueError("--plant-layers must be layer indices >= 0 and --plant-scale > 0")
     check_sizes(None, config.buffer, 4)
-    if config.source.startswith("text:"):
-        text_file(config)
-        shortest = config.prefix_tokens + config.tokens
-    else:
-        load_problems(config.source, require_answer=False)  # a missing task file or field: its clear error
-        shortest = config.tokens + 1  # a task prompt has at least one token
+    text = config.source.startswith("text:")
+    # a task prompt has at least one token
+    shortest = config.prefix_tokens + config.tokens if text else config.tokens + 1
     resolved = {}
     element = resolve_dtype(config.dtype, resolve_device(device)).itemsize
     for policy in config.policies:
@@ -211,6 +208,11 @@ def check_fidelity(config: FidelityConfig, device: str = "auto") -> dict[tuple[s
                 cfg = VaseConfig.resolve(policy, buffer=config.buffer, element_bytes=element, **size)
                 cfg.for_length(shortest, published=config.has_published)  # a ratio's smallest budget must fit too
                 resolved[(policy, kind, float(value))] = cfg
+    # the sources last: the options' own errors come first, wherever the data is
+    if text:
+        text_file(config)
+    else:
+        load_problems(config.source, require_answer=False)  # a missing task file or field: its clear error
     return resolved
 
 
