@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .mechanism import held_masks
+
 SETTLED = 0.99  # overlap at which a (layer, KV head)'s kept set counts as unchanged (as in ``vase analyze``)
 WINDOW = 256  # generated tokens before and after a loop's onset that the table compares
 
@@ -63,7 +65,7 @@ class KeptDynamics:
                 continue
             self._count[row] = n
             seen = sched.seen[row]
-            held = held_rows(cache, row, seen)  # [L, H, seen]
+            held = held_masks(cache, seen, row)  # [L, H, seen]
             prev = self._chosen[row]
             if prev is not None:
                 chosen, _ = prev
@@ -92,17 +94,6 @@ def record_fields(watch: KeptDynamics | None, row: int, completion, tokenizer) -
         "kept_overlap": own if watch is not None else None,
         "loop_onset": loop_onset(completion.text, completion.token_ids, tokenizer) if looped else None,
     }
-
-
-def held_rows(cache, row: int, seen: int) -> torch.Tensor:
-    """bool ``[L, kv_heads, seen]``: the positions each evicting layer's KV head of batch row ``row`` holds."""
-    out = []
-    for index in cache.evicting:
-        pos = cache.layers[index].positions[row].cpu()  # [H, S] logical positions, -1 free
-        m = torch.zeros(pos.shape[0], seen + 1, dtype=torch.bool)
-        m.scatter_(1, torch.where((pos >= 0) & (pos < seen), pos, seen).long(), True)
-        out.append(m[:, :seen])
-    return torch.stack(out)
 
 
 def loop_onset(text: str, token_ids: list[int], tokenizer) -> int | None:

@@ -105,14 +105,15 @@ def full_reference(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return attn, keys
 
 
-def held_masks(cache, seen: int) -> torch.Tensor:
-    """bool ``[L, kv_heads, seen]``: the positions each evicting layer's KV head holds (batch row 0)."""
+def held_masks(cache, seen: int, row: int = 0) -> torch.Tensor:
+    """bool ``[L, kv_heads, seen]``: the positions each evicting layer's KV head holds in batch row ``row``, whose
+    ``seen`` tokens they are drawn from."""
     rows = []
     for layer in cache.layers:
         pos = getattr(layer, "positions", None)
         if pos is None:
             continue
-        p = pos[0]
+        p = pos[row]
         m = torch.zeros(p.shape[0], seen + 1, dtype=torch.bool)
         m.scatter_(1, torch.where(p >= 0, p, seen).long().cpu(), True)
         rows.append(m[:, :seen])
