@@ -4,14 +4,15 @@ Registered in place of vLLM's ``CPU_ATTN`` by the plugin's entry point (:func:`v
 Subclasses of vLLM's classes (``v1/attention/backends/cpu_attn.py``), each calling the original:
 
 * :class:`VaseCPUAttentionMetadataBuilder`: when the worker made a plan for the step, the metadata of a
-  full-attention KV cache group gets the plan's physical ``seq_lens``, that group's slot mapping and block table (the
-  null block for dense rows), so vLLM's kernel scheduler metadata is computed from physical lengths; logical
-  positions (RoPE) are untouched. Without a plan (vase not configured, dummy and profiling runs) and for
-  sliding-window groups (vLLM bounds them itself) it is the stock builder.
+  full-attention KV cache group gets the plan's physical ``seq_lens``, that group's slot mapping and block table, so
+  vLLM's kernel scheduler metadata is computed from physical lengths; logical positions (RoPE) are untouched. A step
+  with dense rows (entries that do not fit in their blocks) gets two: the other rows' over the paged cache and the
+  dense rows' over a scratch cache (:class:`vase.vllm.compact.DenseSplit`). Without a plan (vase not configured,
+  dummy and profiling runs) and for sliding-window groups (vLLM bounds them itself) it is the stock builder.
 * :class:`VaseCPUAttentionImpl`: writes the step's new keys and values at the plan's physical slots (the backend
-  sets ``forward_includes_kv_cache_update``, so vLLM's layer does not write them at logical slots), runs vLLM's kernel,
-  then :mod:`vase.vllm.compact` (ring, dense rows, eviction). Without a plan it writes at the runner's slots and runs
-  the kernel: exactly the stock backend.
+  sets ``forward_includes_kv_cache_update``, so vLLM's layer does not write them at logical slots), runs vLLM's kernel
+  (over the rows that fit in their blocks), then :mod:`vase.vllm.compact` (ring, dense rows, eviction). Without a
+  plan it writes at the runner's slots and runs the kernel: exactly the stock backend.
 """
 
 from __future__ import annotations
@@ -84,14 +85,11 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             raise RuntimeError(f"vase: the step plan has {plan.num_reqs} requests, the metadata {cm.num_reqs}")
         layout = plan.layouts[ws.layer_group[self.vase_layers[0]]]
         table = cm.block_table_tensor
-        if plan.dense.any() or plan.shifted.any():
+        if plan.shifted.any():  # rows past their front blocks (prefix caching): their blocks from there on
             table = table.clone()
-            if plan.shifted.any():  # rows past their front blocks (prefix caching): their blocks from there on
-                rows = torch.from_numpy(plan.shifted)
-                nb = min(layout.block_rows.shape[1], table.shape[1])
-                table[rows, :nb] = layout.block_rows[rows, :nb].to(table.dtype)
-            # dense rows: the kernel reads the null block; their output is replaced afterwards
-            table[torch.from_numpy(plan.dense)] = 0
+            rows = torch.from_numpy(plan.shifted)
+            nb = min(layout.block_rows.shape[1], table.shape[1])
+            table[rows, :nb] = layout.block_rows[rows, :nb].to(table.dtype)
         cm = dataclasses.replace(
             cm,
             seq_lens=plan.seq_lens,
@@ -99,9 +97,19 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             slot_mapping=layout.slot_mapping,
             block_table_tensor=table,
         )
-        md = super().build(common_prefix_len, cm, fast_build)
+        if plan.dense.any():
+            # dense rows do not fit in their blocks: the kernel attends them over a scratch cache of their own
+            # (vase.vllm.compact.DenseSplit), the other rows over the paged cache, in two calls
+            split = compact.split_dense(plan, self.block_size)
+            dense_md = super().build(0, _scratch_metadata(cm, split), fast_build)
+            paged = _subset(cm, split.paged, split.paged_qsl)
+            md = dense_md if paged is None else super().build(common_prefix_len, paged, fast_build)
+            md.vase_split, md.vase_dense = split, dense_md
+        else:
+            md = super().build(common_prefix_len, cm, fast_build)
         md.vase_plan = plan
         md.vase_layout = layout
+        md.vase_tokens, md.vase_slots = cm.num_actual_tokens, layout.slot_mapping
         ws.stats["t_build"] += time.perf_counter() - t
         return md
 
@@ -133,22 +141,28 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
     ):
         if attn_metadata is None:  # warm-up
             return output
-        n = attn_metadata.num_actual_tokens
+        plan = getattr(attn_metadata, "vase_plan", None)
+        n = attn_metadata.num_actual_tokens if plan is None else attn_metadata.vase_tokens
         encoder = self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
         if not encoder and key is not None and value is not None:
             # the slots are the plan's physical ones with vase, the runner's otherwise (stock behaviour)
-            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, attn_metadata.slot_mapping)
-        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-        plan = getattr(attn_metadata, "vase_plan", None)
+            slots = attn_metadata.slot_mapping if plan is None else attn_metadata.vase_slots
+            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slots)
+        split = getattr(attn_metadata, "vase_split", None)
+        if split is None:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        elif split.paged.numel():  # the rows that fit in their blocks, packed: the kernel over the paged cache
+            tok = split.paged_tok
+            out = output.new_empty((tok.numel(), *output.shape[1:]))
+            super().forward(layer, query[tok], None, None, kv_cache, attn_metadata, out)
+            output[tok] = out
         if plan is not None:
             t = time.perf_counter()
-            self._after_attention(
-                layer, query[:n], key[:n], value[:n], kv_cache, plan, attn_metadata.vase_layout, output
-            )
+            self._after_attention(layer, query[:n], key[:n], value[:n], kv_cache, plan, attn_metadata, output)
             st.ACTIVE.stats["t_after"] += time.perf_counter() - t
         return output
 
-    def _after_attention(self, layer, q, k, v, kv_cache, plan, layout, output) -> None:
+    def _after_attention(self, layer, q, k, v, kv_cache, plan, md, output) -> None:
         ws = st.ACTIVE
         if self._vase_layer is None:
             if self.sliding_window not in (-1, None) or self.alibi_slopes is not None or self.logits_soft_cap:
@@ -157,12 +171,52 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
                     "does not support in a full-attention layer"
                 )
             self._vase_layer = ws.layer_index[layer.layer_name]
-        li = self._vase_layer
+        li, layout = self._vase_layer, md.vase_layout
         compact.save_queries(ws, li, q, plan)
         dense = {}
-        for r in plan.dense.nonzero()[0].tolist():
-            dense[r] = compact.attend_dense(ws, li, q, k, v, kv_cache, output, plan, layout, r, self.scale, self.sinks)
+        split = getattr(md, "vase_split", None)
+        if split is not None:
+            dense = compact.attend_dense(self, layer, ws, li, q, k, v, kv_cache, output, plan, layout, split, md)
         if plan.evict.any():
             t = time.perf_counter()
             compact.evict_rows(ws, li, layer, kv_cache, plan, layout, dense, self.scale, self.kv_cache_dtype)
             ws.stats["t_evict"] += time.perf_counter() - t
+
+    def attend_scratch(self, layer, query, scratch, md, output) -> None:
+        """vLLM's kernel over a scratch cache (``md``: its metadata; the dense rows of a step)."""
+        CPUAttentionBackendImpl.forward(self, layer, query, None, None, scratch, md, output)
+
+
+def _subset(cm, rows: torch.Tensor, qsl: torch.Tensor):
+    """``cm`` restricted to the batch rows ``rows`` (their tokens packed in order; ``qsl`` their query start
+    locations), for the kernel's call over the paged cache."""
+    if rows.numel() == 0:
+        return None
+    seq_lens = cm.seq_lens[rows]
+    return dataclasses.replace(
+        cm,
+        num_reqs=int(rows.numel()),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        block_table_tensor=cm.block_table_tensor[rows],
+    )
+
+
+def _scratch_metadata(cm, split):
+    """The dense rows' metadata over their scratch cache (:class:`vase.vllm.compact.DenseSplit`)."""
+    return dataclasses.replace(
+        cm,
+        num_reqs=len(split.rows),
+        num_actual_tokens=int(split.qsl[-1]),
+        max_query_len=int((split.qsl[1:] - split.qsl[:-1]).max()),
+        max_seq_len=int(split.seq_lens.max()),
+        query_start_loc=split.qsl,
+        query_start_loc_cpu=split.qsl,
+        seq_lens=split.seq_lens,
+        block_table_tensor=split.block_table,
+        slot_mapping=split.slots,
+    )

@@ -1,12 +1,14 @@
-"""What one attention layer does after vLLM's kernel ran: save queries, attend rows that do not fit, evict.
+"""What one attention layer does after vLLM's kernel ran over the paged cache: save queries, attend rows that do
+not fit, evict.
 
 Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a step that has a plan, in this order
 (the same as :meth:`vase.hf.layer.EvictingLayer.after_attention`, so the same inputs reach the eviction core):
 
 1. the step's saved post-RoPE queries go to the sequence model's query ring;
-2. a *dense* row (its entries do not fit in its capped blocks: a prompt longer than the cap, or a chunk of one) is
-   attended in torch over its held entries and its new ones (causal, at their offset), and its kernel output (run
-   over the null block) is replaced;
+2. the *dense* rows (their entries do not fit in their capped blocks: a prompt longer than the cap, or a chunk of
+   one) are attended by vLLM's kernel over a scratch cache holding their held entries and their new ones (causal,
+   at their offset; the paged call left them out, :class:`DenseSplit`), so that every row's attention is the
+   kernel's and none is computed twice;
 3. the rows whose fill reached their limit (and every dense row) are compacted: their entries are gathered from the
    paged cache (or taken from the dense pass), the sequence model chooses ``budget`` per KV head
    (:meth:`vase.core.sequence.Sequences.evict`), :func:`vase.core.evict.gather_kept` packs them, and they are written
@@ -15,9 +17,10 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..core.evict import gather_kept
 from ..core.sequence import budget_groups
@@ -33,48 +36,98 @@ def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> 
         ring.write(li, plan.ring, q[plan.ring_tok])
 
 
-def attend_dense(
-    ws, li, q, k, v, kv_cache, output, plan: PagedStep, layout: GroupLayout, r: int, scale: float, sinks=None
-):
-    """Attention of dense row ``r`` over its held entries and its new ones, written into ``output``; returns its
-    keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]`` and state for the eviction that follows.
+@dataclass
+class DenseSplit:
+    """A step with dense rows, split for vLLM's kernel (built once per step by the metadata builder).
 
-    The new tokens attend causally at their offset (query ``i`` sees the held entries and new tokens ``<= i``), as
-    transformers' attention over the cache and the new tokens does before vase compresses them. ``sinks``: a learned
-    sink logit per query head (gpt-oss), one more term of each softmax's denominator, as vLLM's kernel computes it.
+    The rows that fit in their blocks (``paged`` ``[P]`` batch rows; ``paged_tok`` their tokens, ``paged_qsl``
+    ``[P+1]`` int32 their query start locations once packed) are attended over the paged cache; the dense ones
+    (``rows``, ``dense_tok`` their tokens) over a scratch cache of ``blocks`` blocks holding each one's held entries
+    then its new tokens from a block boundary: ``qsl`` ``[D+1]`` and ``seq_lens`` ``[D]`` int32 (held + new),
+    ``block_table`` ``[D, nb]`` int32 scratch block ids, ``slots`` ``[sum seq_lens]`` int64 the scratch slot of each
+    held and new entry, row after row."""
+
+    rows: list[int]
+    paged: torch.Tensor
+    paged_tok: torch.Tensor
+    paged_qsl: torch.Tensor
+    dense_tok: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    blocks: int
+
+
+def split_dense(plan: PagedStep, block_size: int) -> DenseSplit:
+    """The :class:`DenseSplit` of a step with dense rows."""
+    dense = plan.dense
+    rows = np.nonzero(dense)[0]
+    paged = np.nonzero(~dense)[0]
+    tok_row = np.repeat(np.arange(len(plan.n)), plan.n)
+    lengths = plan.fill_before[rows] + plan.n[rows]
+    nb = -(-lengths // block_size)
+    first = np.concatenate([[0], np.cumsum(nb)[:-1]])
+    table = first[:, None] + np.arange(nb.max())[None, :]
+    slots = np.concatenate([f * block_size + np.arange(s) for f, s in zip(first, lengths)])
+
+    def starts(counts):
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+
+    return DenseSplit(
+        rows=rows.tolist(),
+        paged=torch.from_numpy(paged),
+        paged_tok=torch.from_numpy(np.nonzero(~dense[tok_row])[0]),
+        paged_qsl=starts(plan.n[paged]),
+        dense_tok=torch.from_numpy(np.nonzero(dense[tok_row])[0]),
+        qsl=starts(plan.n[rows]),
+        seq_lens=torch.from_numpy(lengths.astype(np.int32)),
+        block_table=torch.from_numpy(table.astype(np.int32)),
+        slots=torch.from_numpy(slots.astype(np.int64)),
+        blocks=int(nb.sum()),
+    )
+
+
+def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep, layout: GroupLayout, split, md):
+    """Attention of the step's dense rows over their held entries and their new ones, written into ``output``;
+    returns, per dense batch row ``r``, its keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]`` and state for
+    the eviction that follows.
+
+    The held entries (gathered from the row's blocks) and the new tokens go to a scratch cache in vLLM's layout
+    (``split``: :class:`DenseSplit`), over which vLLM's kernel attends the row's queries (``md.vase_dense``):
+    the new tokens attend causally at their offset (query ``i`` sees the held entries and new tokens ``<= i``), as
+    transformers' attention over the cache and the new tokens does before vase compresses them, and learned sinks
+    (gpt-oss) are the kernel's, as for every other row.
     """
-    fb = int(plan.fill_before[r])
-    a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
-    n = b - a
-    h, hq = k.shape[1], q.shape[1]
-    if fb:
-        kh, vh = gather(kv_cache, layout.block_rows[r : r + 1], fb)
-        kh, vh = kh[0], vh[0]
-    else:
-        kh = vh = k.new_zeros(h, 0, k.shape[-1])
-    keys = torch.cat([kh, k[a:b].transpose(0, 1)], dim=1)  # [H, S, D]
-    values = torch.cat([vh, v[a:b].transpose(0, 1)], dim=1)
-    g = hq // h
-    qh = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    kr = keys.repeat_interleave(g, dim=0).unsqueeze(0)
-    vr = values.repeat_interleave(g, dim=0).unsqueeze(0)
-    mask = torch.arange(fb + n).view(1, -1) <= (fb + torch.arange(n)).view(-1, 1)
-    if sinks is not None:
-        logits = torch.matmul(qh.float(), kr.float().transpose(-1, -2)) * scale
-        logits = logits.masked_fill(~mask, float("-inf"))
-        sink = sinks.float().view(1, hq, 1, 1).expand(1, hq, n, 1)
-        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-        o = torch.matmul(probs, vr.float())
-    elif fb == 0:
-        o = F.scaled_dot_product_attention(qh, kr, vr, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(qh, kr, vr, attn_mask=mask, scale=scale)
-    output[a:b] = o[0].transpose(0, 1).reshape(output[a:b].shape).to(output.dtype)
-    held_pos, held_state = _held(ws, li, plan, [r], fb)
-    new_pos = torch.from_numpy(plan.logical_before[r] + np.arange(n)).expand(h, n)
-    positions = torch.cat([held_pos[0], new_pos], dim=1)
-    state = {name: torch.cat([t[0], torch.zeros(h, n)], dim=1) for name, t in held_state.items()}
-    return keys, values, positions, state
+    h = k.shape[1]
+    out, kt, vt = {}, [], []
+    for r in split.rows:
+        fb = int(plan.fill_before[r])
+        a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
+        n = b - a
+        if fb:
+            kh, vh = gather(kv_cache, layout.block_rows[r : r + 1], fb)
+            keys = torch.cat([kh[0], k[a:b].transpose(0, 1)], dim=1)  # [H, S, D]
+            values = torch.cat([vh[0], v[a:b].transpose(0, 1)], dim=1)
+            kt += [kh[0].transpose(0, 1), k[a:b]]
+            vt += [vh[0].transpose(0, 1), v[a:b]]
+        else:
+            keys, values = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+            kt.append(k[a:b])
+            vt.append(v[a:b])
+        held_pos, held_state = _held(ws, li, plan, [r], fb)
+        new_pos = torch.from_numpy(plan.logical_before[r] + np.arange(n)).expand(h, n)
+        positions = torch.cat([held_pos[0], new_pos], dim=1)
+        state = {name: torch.cat([t[0], torch.zeros(h, n)], dim=1) for name, t in held_state.items()}
+        out[r] = (keys, values, positions, state)
+    _, _, bs, d2 = kv_cache.shape
+    scratch = kv_cache.new_zeros((split.blocks, h, bs, d2))
+    impl.do_kv_cache_update(layer, torch.cat(kt).contiguous(), torch.cat(vt).contiguous(), scratch, split.slots)
+    tok = split.dense_tok
+    o = output.new_empty((tok.numel(), *output.shape[1:]))
+    impl.attend_scratch(layer, q[tok], scratch, md.vase_dense, o)
+    output[tok] = o
+    return out
 
 
 def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], length: int):

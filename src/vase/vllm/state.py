@@ -98,9 +98,10 @@ class PagedStep:
     paged cache and compressed), ``shifted`` (bool: the row's physical slot 0 is past its front blocks, kept for the
     prefix cache: :meth:`vase.vllm.settings.EngineSettings.front_blocks`), ``qsl`` ``[R+1]`` query start locations.
     Tensors: ``rows`` ``[R]`` pool rows; ``layouts``: KV cache group -> :class:`GroupLayout` (block ids and slots
-    of each full-attention group); ``seq_lens`` ``[R]`` int32 for the kernel (physical; ``n`` for dense rows, which
-    the kernel runs over the null block and whose output is replaced); ``positions`` ``[T]`` logical. ``ring``:
-    where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the token of each.
+    of each full-attention group); ``seq_lens`` ``[R]`` int32 for the kernel (physical; for dense rows ``n``, unused:
+    the kernel attends them over a scratch cache, :class:`vase.vllm.compact.DenseSplit`); ``positions`` ``[T]``
+    logical. ``ring``: where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the
+    token of each.
     """
 
     schedule: StepSchedule
