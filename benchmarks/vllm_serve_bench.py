@@ -9,7 +9,8 @@ loads even though vase is installed) and vLLM's defaults, prefix caching on; vas
 32 for vase; or ``--pool-gib`` of KV space), the same model length and request limit, one thread,
 and its own core (``taskset``); all of them are loaded at once, each by its own client (vLLM's ``vllm bench serve``
 through benchmarks/vllm_bench_client.py) with the same prompts and the same arrival times, so that the engines
-compared share the machine alike (``--sequential``: one engine at a time on every core, for tensor parallelism).
+compared share the machine alike. ``--sequential``: one server at a time on every core (its engine on one core, its
+API server and client on the other, the split vLLM's CPU build makes by default; and for tensor parallelism).
 
 Prompts: reasoning problems (``--task``, default MATH-500, in the harness's template) with the model's chat template;
 each workload takes its own slice of problems, so that no prefix cache serves one workload's prompts to the next.
@@ -21,8 +22,8 @@ change of preemptions, prefix-cache queries and hits, and vase's evictions and b
 workload; a rerun skips the workloads already there. ``OUT/table.md`` holds the table (also printed), with each
 vase engine's ratio to the first engine.
 
-    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/serve-tight-1k --pool-tokens 5120 --gen 1024 \
-        --prompts 24 --workloads burst poisson:0.1 \
+    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/serve-own-core-1k --pool-tokens 5120 --gen 1024 \
+        --prompts 24 --workloads burst poisson:0.1 poisson:0.5 --sequential \
         --engines "vllm=stock" "vase=vase:budget=256:buffer=64"
 
 Needs ``.venv-vllm`` (``make vllm``) and pandas for the client's dataset reader (``pip install "vase[serve-bench]"``).
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="threads per server")
     ap.add_argument("--cores", default="0,1", help="cores, one per engine, in order (side by side)")
-    ap.add_argument("--sequential", action="store_true", help="one engine at a time, on every core")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one server at a time, on every core (the front end gets a core of its own)")  # fmt: skip
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
