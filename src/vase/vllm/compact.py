@@ -105,16 +105,13 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
         fb = int(plan.fill_before[r])
         a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
         n = b - a
+        rk, rv = k[a:b], v[a:b]  # token-major [S, H, D]: held entries, then the new tokens
         if fb:
             kh, vh = gather(kv_cache, layout.block_rows[r : r + 1], fb)
-            keys = torch.cat([kh[0], k[a:b].transpose(0, 1)], dim=1)  # [H, S, D]
-            values = torch.cat([vh[0], v[a:b].transpose(0, 1)], dim=1)
-            kt += [kh[0].transpose(0, 1), k[a:b]]
-            vt += [vh[0].transpose(0, 1), v[a:b]]
-        else:
-            keys, values = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
-            kt.append(k[a:b])
-            vt.append(v[a:b])
+            rk, rv = torch.cat([kh[0].transpose(0, 1), rk]), torch.cat([vh[0].transpose(0, 1), rv])
+        kt.append(rk)
+        vt.append(rv)
+        keys, values = rk.transpose(0, 1), rv.transpose(0, 1)  # [H, S, D] for the eviction
         held_pos, held_state = _held(ws, li, plan, [r], fb)
         new_pos = torch.from_numpy(plan.logical_before[r] + np.arange(n)).expand(h, n)
         positions = torch.cat([held_pos[0], new_pos], dim=1)
