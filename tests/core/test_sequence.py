@@ -12,6 +12,7 @@ import torch
 
 import vase
 from tests.conftest import random_ids, tiny_model
+from tests.policies import variants
 from vase.core.config import VaseConfig
 from vase.core.evict import gather_kept
 from vase.core.ring import QueryRing
@@ -286,3 +287,87 @@ def test_a_toy_integration_keeps_what_vase_hf_keeps(policy):
         for name, state in layer.state.items():
             assert torch.equal(toy.seq.tables.state[li][name], state), (policy, name)
         assert torch.equal(toy.k[li], layer.keys)
+
+
+# ------------------------------------------------------------------------------------ several layers, one call
+def _layers_case(spec: str, layer_ids=(3, 5, 9), b=2, h=2, hq=4, s=40, d=16):
+    """A fresh sequence model for ``spec`` over three layers, and per layer the held entries of ``b`` rows (the second
+    one shorter), their state and saved queries: what an integration gives one eviction call per layer."""
+    from vase.core.policies import parse_policy_spec
+
+    name, options = parse_policy_spec(spec)
+    config = VaseConfig.resolve(name, budget=16, buffer=8, sinks=2, **options)
+    seq = Sequences(config, list(layer_ids))
+    g = torch.Generator().manual_seed(7)
+    lengths = [s, s - 6]
+    for r, n in enumerate(lengths):
+        seq.admit(r, n, seed=11 + r)
+    step = seq.schedule.plan([0, 1], lengths)
+    if seq.ring is not None:
+        seq.ring.prepare(b, "cpu")
+        ring = seq.ring.plan([0, 1], lengths, [0, 0], scatter=True)
+    per_layer = []
+    for li in range(len(layer_ids)):
+        seq.tables.allocate(li, b, h, s, "cpu")
+        keys, values = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
+        values[:, :, 5] *= 20  # a value outlier for the guards
+        valid = torch.arange(s).view(1, s) < torch.tensor(lengths).view(b, 1)
+        positions = torch.arange(s).expand(b, h, s).masked_fill(~valid.unsqueeze(1), -1)
+        state = {n: torch.rand(b, h, s, generator=g) * valid.unsqueeze(1) for n in config.policy.state_names}
+        if seq.ring is not None:
+            seq.ring.allocate(li, hq, d, torch.float32, "cpu")
+            seq.ring.write(li, ring, torch.randn(sum(ring.saved), hq, d, generator=g))
+        per_layer.append((keys, values, positions, valid, state))
+    return seq, step, per_layer
+
+
+@pytest.mark.parametrize("spec", variants() + ["learned:weights=LEARNED"])
+def test_evict_layers_chooses_what_one_call_per_layer_chooses(spec, tmp_path):
+    """Sequences.evict_layers (the rows of several layers stacked into one call, as the vLLM plugin does after a
+    step's forward) keeps, for every policy, exactly the slots, counts, state and memo that one evict call per layer
+    keeps: the random choices are keyed by each row's layer."""
+    if "LEARNED" in spec:
+        from vase.core.learned import FEATURES, LearnedWeights
+
+        n, f = 3, len(FEATURES)
+        g = torch.Generator().manual_seed(1)
+        weights = LearnedWeights(
+            layer_ids=[3, 5, 9], kv_heads=2, head_dim=16, mean=torch.randn(n, 2, f, generator=g),
+            std=torch.rand(n, 2, f, generator=g) + 0.5, weight=torch.randn(n, 2, f, generator=g),
+            bias=torch.randn(n, 2, generator=g), model="tiny", window=64, info={},
+        )  # fmt: skip
+        spec = spec.replace("LEARNED", str(weights.save(tmp_path / "w.pt")))
+    one, step, inputs = _layers_case(spec)
+    alone = [
+        one.evict(li, step, [0, 1], k, v, p.clone(), ok, {n: t.clone() for n, t in st.items()})
+        for li, (k, v, p, ok, st) in enumerate(inputs)
+    ]
+    many, step, inputs = _layers_case(spec)
+    layers = [0, 1, 2]
+    assert many.layer_groups(layers) == [layers]
+    ev = many.evict_layers(
+        layers,
+        step,
+        [0, 1],
+        *(torch.cat([x[i] for x in inputs]) for i in range(4)),
+        {n: torch.cat([x[4][n] for x in inputs]) for n in inputs[0][4]},
+    )
+    for li, a in enumerate(alone):
+        part = slice(2 * li, 2 * li + 2)
+        assert torch.equal(ev.indices[part], a.indices), (spec, li)
+        assert torch.equal(ev.keep[part], a.keep), (spec, li)
+        for n, t in a.state.items():
+            assert torch.equal(ev.state[n][part], t), (spec, li, n)
+        for n, m in one.tables.memo[li].items():
+            assert torch.equal(many.tables.memo[li][n], m), (spec, li, n)
+
+
+def test_evict_layers_refuses_layers_of_different_budgets():
+    config = VaseConfig.resolve("snapkv", budget=16, buffer=8, sinks=2, layer_budget="pyramid")
+    seq = Sequences(config, [0, 1, 2, 3], layer_budgets=[24, 20, 12, 8])
+    assert seq.layer_groups([0, 1, 2, 3]) == [[0], [1], [2], [3]]
+    seq.admit(0, 30, seed=1)
+    step = seq.schedule.plan([0], [30])
+    keys, positions, valid = torch.randn(2, 2, 30, 16), torch.arange(30).expand(2, 2, 30), torch.ones(2, 30, dtype=bool)
+    with pytest.raises(ValueError, match="share a budget, got \\[20, 24\\]: see layer_groups"):
+        seq.evict_layers([0, 1], step, [0], keys, keys, positions, valid, {})

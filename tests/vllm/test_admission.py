@@ -40,6 +40,14 @@ def test_ladder_and_floor():
     assert not _settings("full:budget=256").elastic
 
 
+def test_concurrent_rows_sizes_the_worker_pool_by_the_floor():
+    """The rows a worker makes room for at start-up: the requests the pool holds with each at its cap at the floor
+    (elastic), at the budget (reserve), none without eviction."""
+    assert _settings("vase:budget=256:buffer=64").concurrent_rows(160) == 160 // 5  # floor 96: 5 blocks
+    assert _settings("vase:budget=256:buffer=64:admission=reserve").concurrent_rows(160) == 160 // 10
+    assert _settings("full:budget=256").concurrent_rows(160) == 0
+
+
 @pytest.mark.parametrize(
     "spec, words",
     [

@@ -253,6 +253,10 @@ def test_worker_state_rows_seeds_and_limits():
     ws.release("a")
     ws.admit("d", SimpleNamespace(extra_args=None, seed=None), prompt_tokens=1)
     assert len(set(ws.row_of.values())) == len(ws.row_of) == 33
+    for rows, made in ((24, 24), (100, 40), (3, 16)):  # room made at start-up: at least 16, at most max_reqs
+        pool = WorkerState(EngineSettings(cfg, block_size=32), max_reqs=40)
+        pool.allocate(["l0"], kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float32, rows=rows)
+        assert pool.capacity == made and pool.seq.ring.queries[0].shape[0] == made
 
 
 # ---------------------------------------------------------------------------------------------------- with vLLM

@@ -71,7 +71,7 @@ def evict_layer(
     scaling: float | None = None,
     state: dict[str, torch.Tensor] | None = None,
     memo: dict[str, torch.Tensor] | None = None,
-    layer_idx: int = 0,
+    layer_idx: int | torch.Tensor = 0,
     head_offset: int = 0,
     keep: torch.Tensor | None = None,
 ) -> LayerEviction:
@@ -102,7 +102,9 @@ def evict_layer(
         state: the policy's per-slot state, ``{name: [b, H, S]}`` float32 for each name of ``policy.state_names``
             (zeros for new tokens; a missing name starts at zeros); updated in place and returned in ``state``.
         memo: the per-row memo, ``{name: [b]}`` (H2O: ``acc_upto``, -1 at the start).
-        layer_idx: the layer's index (keys the random choices; PyramidKV's depth is in ``budget``).
+        layer_idx: the layer's index (keys the random choices; PyramidKV's depth is in ``budget``), or ``[b]`` int64
+            the layer of each row when one call evicts the rows of several layers sharing a budget (each row's result
+            is the one its layer's own call gives: :meth:`vase.core.sequence.Sequences.evict_layers`).
         head_offset: the model's index of the first KV head of ``keys`` (a tensor-parallel rank's share of the heads;
             keys the random choices, so that every rank draws what one worker would).
         keep: ``[b]`` int64 tokens each row keeps per KV head at this eviction, at most ``slots`` (a confidence step

@@ -96,7 +96,7 @@ class Leverage(Scorer):
         ev = ctx.eviction_index if self.fresh else torch.zeros_like(ctx.eviction_index)
         proj = rng.normal(
             ctx.row_keys.view(b, 1, 1, 1),
-            ctx.layer_idx,
+            ctx.layer(4),
             ev.view(b, 1, 1, 1),
             torch.arange(ctx.head_offset, ctx.head_offset + h, device=dev).view(1, h, 1, 1)
             if self.projection == "head"

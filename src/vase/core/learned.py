@@ -261,19 +261,21 @@ class LearnedScore(Scorer):
         if self.weights is None:
             return attention.float().clamp_min(0.0)
         feats = entry_features(ctx.keys, ctx.values, ctx.positions, ctx.valid, attention, ctx.memo["latest_query"])
-        row = self._rows.get(ctx.layer_idx)
-        if row is None:
-            raise ValueError(f"the learned scorer weights {self.path} hold no layer {ctx.layer_idx}")
+        layers = ctx.layer_idx.tolist() if isinstance(ctx.layer_idx, torch.Tensor) else [ctx.layer_idx]
+        missing = sorted({i for i in layers if i not in self._rows})
+        if missing:
+            raise ValueError(f"the learned scorer weights {self.path} hold no layer {missing[0]}")
         h = feats.shape[1]
         heads = slice(ctx.head_offset, ctx.head_offset + h)
         wt = self.weights
         dev = feats.device
+        rows = torch.tensor([self._rows[i] for i in layers], dtype=torch.long)  # one per row, or one for all
 
-        def per_head(t: torch.Tensor) -> torch.Tensor:  # [L, H_all, F] -> [1, H, 1, F]
-            return t[row, heads].to(dev).view(1, h, 1, -1)
+        def per_head(t: torch.Tensor) -> torch.Tensor:  # [L, H_all, F] -> [b or 1, H, 1, F]
+            return t[rows][:, heads].to(dev).unsqueeze(2)
 
         z = (feats - per_head(wt.mean)) / per_head(wt.std)
-        pred = (z * per_head(wt.weight)).sum(-1) + wt.bias[row, heads].to(dev).view(1, h, 1)
+        pred = (z * per_head(wt.weight)).sum(-1) + wt.bias[rows][:, heads].to(dev).unsqueeze(2)
         return torch.exp(pred.clamp(max=math.log(1e30)))
 
     def describe(self) -> str:

@@ -42,7 +42,8 @@ class EvictionContext:
         query_positions: ``[b, W]`` int64 logical position of each saved query.
         query_valid: ``[b, W]`` bool, which saved queries are real (not padding, not yet written).
         scaling: attention scaling (usually ``head_dim ** -0.5``).
-        layer_idx: index of the layer being compacted.
+        layer_idx: index of the layer being compacted, or ``[b]`` int64 the layer of each row (one call evicting the
+            rows of several layers: :meth:`vase.core.sequence.Sequences.evict_layers`); read it with :meth:`layer`.
         budget: this layer's budget in tokens per KV head on average (the cache budget, or the layer's PyramidKV
             budget with ``layer_budget='pyramid'``).
         row_keys: ``[b]`` int64 random keys of the rows (see :mod:`vase.core.rng`).
@@ -66,7 +67,7 @@ class EvictionContext:
     query_positions: torch.Tensor | None
     query_valid: torch.Tensor | None
     scaling: float
-    layer_idx: int
+    layer_idx: int | torch.Tensor
     budget: int
     row_keys: torch.Tensor
     eviction_index: torch.Tensor
@@ -75,6 +76,12 @@ class EvictionContext:
     sinks: int = 0
     buffer: int = 0
     head_offset: int = 0
+
+    def layer(self, dims: int = 3) -> int | torch.Tensor:
+        """The layer index as a hash part broadcasting over ``dims`` dimensions: the int, or ``[b, 1, ...]``."""
+        if isinstance(self.layer_idx, torch.Tensor):
+            return self.layer_idx.view(-1, *([1] * (dims - 1)))
+        return self.layer_idx
 
     def older(self) -> torch.Tensor:
         """``[b, S]`` bool (``[b, H, S]`` with per-head ``valid``): valid slots before the recent window (sinks
@@ -96,7 +103,7 @@ class EvictionContext:
         heads = torch.arange(self.head_offset, self.head_offset + h, device=self.positions.device).view(1, h, 1)
         return (
             self.row_keys.view(b, 1, 1),
-            self.layer_idx,
+            self.layer(3),
             self.eviction_index.view(b, 1, 1),
             heads,
             self.positions,

@@ -178,28 +178,89 @@ class Sequences:
         Raises:
             ValueError: rows admitted with different budgets (split them with :func:`budget_groups`).
         """
+        return self._evict([layer], step, which, keys, values, positions, valid, state, scaling, rows)
+
+    def evict_layers(
+        self,
+        layers: list[int],
+        step: StepSchedule,
+        which: list[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        *,
+        scaling: float | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> LayerEviction:
+        """:meth:`evict` for several layers in one call: the rows ``which`` of ``step`` in each of ``layers``
+        (indices among the evicting layers, sharing a budget: :meth:`layer_groups`), stacked layer-major: batch row
+        ``i * b + j`` is row ``which[j]`` in layer ``layers[i]``.
+
+        Each row's choice is the one :meth:`evict` makes for its layer alone (the policy works row by row; the
+        random choices are keyed by each row's layer), so an integration may defer a step's evictions to its last
+        layer and run them together: one call instead of one per layer, which is most of the cost when a decode
+        step's rows reach their limit one at a time (a few rows of a few hundred slots: the per-operation cost, not
+        the arithmetic, dominates).
+
+        Args:
+            layers: ``n`` evicting-layer indices (the order of the stacking).
+            keys, values: ``[n * b, H, S, D]``; positions: ``[n * b, H, S]``; valid: ``[n * b, S]`` (or
+                ``[n * b, H, S]``); state: ``{name: [n * b, H, S]}``; the rest as :meth:`evict` (``rows``: ``[b]``).
+
+        Returns:
+            The :class:`vase.core.evict.LayerEviction` of the ``n * b`` rows, in the same order (each layer's memo
+            written back).
+
+        Raises:
+            ValueError: layers with different budgets (PyramidKV: see :meth:`layer_groups`), or rows with different
+                budgets (:func:`budget_groups`).
+        """
+        return self._evict(list(layers), step, which, keys, values, positions, valid, state, scaling, rows)
+
+    def layer_groups(self, layers: list[int]) -> list[list[int]]:
+        """``layers`` (evicting-layer indices) split into groups sharing a budget, in order of first appearance:
+        one :meth:`evict_layers` call per group (one group unless ``layer_budget='pyramid'``)."""
+        groups: dict[int, list[int]] = {}
+        for li in layers:
+            groups.setdefault(self.layer_budgets[li], []).append(li)
+        return list(groups.values())
+
+    def _evict(self, layers, step, which, keys, values, positions, valid, state, scaling, rows) -> LayerEviction:
         dev = keys.device
+        n = len(layers)
         table_rows = [step.rows[i] for i in which]
         own = {self.schedule.row_budget[r] for r in table_rows}
         if len(own) > 1:
             raise ValueError(f"the rows of one eviction call must share a budget, got {sorted(own)}: see budget_groups")
         row_budget = own.pop() if own else self.config.budget
         if row_budget == self.config.budget:
-            budget, slots = self.layer_budgets[layer], self.slots
+            layer_budgets = {self.layer_budgets[li] for li in layers}
+            if len(layer_budgets) > 1:
+                got = sorted(layer_budgets)
+                raise ValueError(f"the layers of one eviction call must share a budget, got {got}: see layer_groups")
+            budget, slots = layer_budgets.pop(), self.slots
         else:  # a row's own budget (uniform budgets only: Schedule.admit)
             budget = slots = row_budget
         every = table_rows == list(range(len(self.tables.row_keys))) and rows is None
         if rows is None and not every:
             rows = upload(table_rows, dev)
         sel = None if every else rows
+
+        def stacked(parts):  # per-layer tensors (or None) stacked layer-major
+            return parts[0] if n == 1 or parts[0] is None else torch.cat(parts)
+
         queries = qpos = qvalid = None
         if self.ring is not None:
-            queries, qpos, qvalid = self.ring.read(layer, sel)
-        memo = self.tables.memo_of(layer, sel)
+            reads = [self.ring.read(li, sel) for li in layers]
+            queries, qpos, qvalid = (stacked([r[i] for r in reads]) for i in range(3))
+        memos = [self.tables.memo_of(li, sel) for li in layers]
+        memo = {name: stacked([m[name] for m in memos]) for name in memos[0]}
         keep = None
         if self.confidence is not None and row_budget == self.config.budget:
             fixed = self.config.sinks + self.config.recent
-            keep = upload([self.confidence.keep(r, budget, slots, fixed) for r in table_rows], dev)
+            keep = upload([self.confidence.keep(r, budget, slots, fixed) for r in table_rows] * n, dev)
             decoded = [r for r in table_rows if self.schedule.seen[r] > self.schedule.prompt[r]]
             if decoded and not self._unfed_warned and not any(self.confidence.fed(r) for r in decoded):
                 self._unfed_warned = True
@@ -207,8 +268,14 @@ class Sequences:
                     "step_budget=confidence, but no next-token distribution was fed: every eviction keeps the budget. "
                     "Feed each step's logits (EvictingCache.observe_confidence, or logits_processor="
                     "[vase.hf.ConfidenceFeed(cache)] in model.generate)",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
+        row_keys = self.tables.keys_tensor(dev, sel)
+        layer_idx = (
+            self.layer_ids[layers[0]]
+            if n == 1
+            else upload([self.layer_ids[li] for li in layers for _ in table_rows], dev)
+        )
         ev = evict_layer(
             self.policy,
             keys,
@@ -219,20 +286,22 @@ class Sequences:
             slots=slots,
             sinks=self.config.sinks,
             recent=self.config.recent,
-            row_keys=self.tables.keys_tensor(dev, sel),
-            eviction_index=upload([step.evictions_before[i] for i in which], dev),
-            latest_query=upload([step.seen_before[i] + step.counts[i] - 1 for i in which], dev),
+            row_keys=row_keys if n == 1 else row_keys.repeat(n),
+            eviction_index=upload([step.evictions_before[i] for i in which] * n, dev),
+            latest_query=upload([step.seen_before[i] + step.counts[i] - 1 for i in which] * n, dev),
             queries=queries,
             query_positions=qpos,
             query_valid=qvalid,
             scaling=scaling,
             state=state,
             memo=memo,
-            layer_idx=self.layer_ids[layer],
+            layer_idx=layer_idx,
             head_offset=self.head_offset,
             keep=keep,
         )
-        self.tables.set_memo(layer, sel, ev.memo)
+        b = len(which)
+        for i, li in enumerate(layers):
+            self.tables.set_memo(li, sel, {name: m[i * b : (i + 1) * b] for name, m in ev.memo.items()})
         return ev
 
 

@@ -9,10 +9,15 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
    one) are attended by vLLM's kernel over a scratch cache holding their held entries and their new ones (causal,
    at their offset; the paged call left them out, :class:`DenseSplit`), so that every row's attention is the
    kernel's and none is computed twice;
-3. the rows whose fill reached their limit (and every dense row) are compacted: their entries are gathered from the
-   paged cache (or taken from the dense pass), the sequence model chooses ``budget`` per KV head
-   (:meth:`vase.core.sequence.Sequences.evict`), :func:`vase.core.evict.gather_kept` packs them, and they are written
-   to the row's first slots; their positions and per-slot state go back to the row tables.
+3. the dense rows are compacted now (their entries exist only in this layer's dense pass): the sequence model
+   chooses ``budget`` per KV head (:meth:`vase.core.sequence.Sequences.evict`), :func:`vase.core.evict.gather_kept`
+   packs them, and they are written to the row's first slots; their positions and per-slot state go back to the row
+   tables;
+4. the other rows whose fill reached their limit are compacted after the forward, every layer together
+   (:func:`evict_deferred`): their entries are gathered from each layer's paged cache and the layers are stacked
+   into few calls of :meth:`vase.core.sequence.Sequences.evict_layers`. A layer's cache is read again only at the
+   next step, so the result is the same as evicting in each layer right after its attention; a decode step's rows
+   reach their limit one or two at a time, and one call per layer would cost mostly its per-operation overhead.
 """
 
 from __future__ import annotations
@@ -136,17 +141,97 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
     return ws.seq.tables.held(li, rows, length, never_evicted=fresh)
 
 
+# the most elements of one stacked eviction's attention weights (rows x query heads x window x slots): past it the
+# tensors outgrow the caches and a row costs more than alone
+STACK_ELEMENTS = 1 << 21
+
+
+@dataclass
+class DeferredLayer:
+    """A layer whose paged evicting rows are compacted after the forward (:func:`evict_deferred`)."""
+
+    li: int
+    layer: object
+    kv_cache: torch.Tensor
+    layout: GroupLayout
+    scale: float
+    kv_cache_dtype: str
+
+
 def evict_rows(
     ws, li, layer, kv_cache, plan: PagedStep, layout: GroupLayout, dense: dict, scale: float, kv_cache_dtype: str
 ) -> None:
     """Compact the evicting rows of the step in layer ``li`` (its KV cache group's ``layout``; see the module
-    docstring): one eviction per budget among them (requests with budgets of their own, ``vase_budget``)."""
-    for group in budget_groups(plan.schedule, list(plan.schedule.evict), ws.seq.schedule):
+    docstring): the dense ones now, one eviction per budget among them (requests with budgets of their own,
+    ``vase_budget``); the others are left to :func:`evict_deferred`."""
+    now = [i for i in plan.schedule.evict if plan.dense[i]]
+    if len(now) < len(plan.schedule.evict):
+        plan.deferred.append(DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype))
+    for group in budget_groups(plan.schedule, now, ws.seq.schedule):
         _evict_group(ws, li, layer, kv_cache, plan, layout, dense, scale, kv_cache_dtype, group)
 
 
+def evict_deferred(ws: WorkerState, plan: PagedStep) -> None:
+    """After the step's forward: compact the evicting rows that fit in their blocks in every layer that deferred them
+    (:func:`evict_rows`), the layers stacked into as few :meth:`vase.core.sequence.Sequences.evict_layers` calls as
+    budgets, attention scales and :data:`STACK_ELEMENTS` allow."""
+    deferred, plan.deferred = plan.deferred, []
+    if not deferred:
+        return
+    ev = [i for i in plan.schedule.evict if not plan.dense[i]]
+    hq, window = ws.dims[2], max(ws.seq.config.window or 0, 1)
+    for group in budget_groups(plan.schedule, ev, ws.seq.schedule):
+        s = max(int(plan.fill_before[r] + plan.n[r]) for r in group)
+        per = max(1, STACK_ELEMENTS // (len(group) * hq * window * s))  # layers per call
+        by_key: dict = {}
+        for d in deferred:
+            by_key.setdefault((ws.seq.layer_budgets[d.li], d.scale), []).append(d)
+        for layers in by_key.values():
+            for i in range(0, len(layers), per):
+                _evict_layers(ws, plan, layers[i : i + per], group)
+
+
+def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int]) -> None:
+    """Compact the rows ``ev`` (batch rows that fit in their blocks, sharing a budget) in ``layers`` in one call."""
+    which = torch.tensor(ev, dtype=torch.long)
+    rows = plan.rows[which]
+    lengths = torch.tensor([int(plan.fill_before[r] + plan.n[r]) for r in ev])
+    b, s = len(ev), int(lengths.max())
+    valid = torch.arange(s).view(1, s) < lengths.view(b, 1)
+    beyond = ~valid.unsqueeze(1)  # [b, 1, s]: slots past a row's length hold nothing
+    keys, values, positions, states = [], [], [], []
+    for d in layers:
+        k, v = gather(d.kv_cache, d.layout.block_rows[which], s)
+        p, st = _held(ws, d.li, plan, ev, s)
+        keys.append(k)
+        values.append(v)
+        positions.append(p.masked_fill_(beyond, -1))
+        states.append({name: t.masked_fill_(beyond, 0.0) for name, t in st.items()})
+    n = len(layers)
+    keys, values, positions = torch.cat(keys), torch.cat(values), torch.cat(positions)
+    state = {name: torch.cat([st[name] for st in states]) for name in states[0]}
+    res = ws.seq.evict_layers(
+        [d.li for d in layers],
+        plan.schedule,
+        ev,
+        keys,
+        values,
+        positions,
+        valid.repeat(n, 1),
+        state,
+        scaling=layers[0].scale,
+        rows=rows,
+    )
+    kk, vv, pp, st = gather_kept(res.indices, res.keep, keys, values, positions, res.state)
+    for i, d in enumerate(layers):
+        part = slice(i * b, (i + 1) * b)
+        write_front(d.kv_cache, d.layout.write_rows[which], kk[part], vv[part], d.layer, d.kv_cache_dtype)
+        ws.seq.tables.write_kept(d.li, rows, pp[part], {name: t[part] for name, t in st.items()})
+
+
 def _evict_group(ws, li, layer, kv_cache, plan, layout, dense: dict, scale, kv_cache_dtype, ev: list[int]) -> None:
-    """Compact the rows ``ev`` (batch rows sharing a budget) in layer ``li``."""
+    """Compact the dense rows ``ev`` (batch rows sharing a budget) in layer ``li``, from their entries of this
+    layer's dense pass (``dense``: :func:`attend_dense`)."""
     rows = plan.rows[torch.tensor(ev, dtype=torch.long)]
     lengths = [int(plan.fill_before[r] + plan.n[r]) for r in ev]
     b, s = len(ev), max(lengths)
@@ -155,23 +240,14 @@ def _evict_group(ws, li, layer, kv_cache, plan, layout, dense: dict, scale, kv_c
     keys = torch.zeros(b, h, s, d, dtype=kv_cache.dtype)
     values = torch.zeros_like(keys)
     valid = torch.arange(s).view(1, s) < torch.tensor(lengths).view(b, 1)
-    positions, state = _held(ws, li, plan, ev, s)
-    beyond = ~valid.unsqueeze(1).expand(b, h, s)  # slots past a row's length hold nothing
-    positions.masked_fill_(beyond, -1)
-    for t in state.values():
-        t.masked_fill_(beyond, 0.0)
-    paged = [i for i, r in enumerate(ev) if not plan.dense[r]]
-    if paged:
-        sp = max(lengths[i] for i in paged)
-        kp, vp = gather(kv_cache, layout.block_rows[torch.tensor([ev[i] for i in paged])], sp)
-        keys[paged, :, :sp], values[paged, :, :sp] = kp, vp
+    positions = torch.full((b, h, s), -1, dtype=torch.long)  # slots past a row's length hold nothing
+    state = {name: torch.zeros(b, h, s) for name in ws.seq.policy.state_names}
     for i, r in enumerate(ev):
-        if plan.dense[r]:
-            length = lengths[i]
-            kd, vd, pd, sd = dense[r]
-            keys[i, :, :length], values[i, :, :length], positions[i, :, :length] = kd, vd, pd
-            for name, t in sd.items():
-                state[name][i, :, :length] = t
+        length = lengths[i]
+        kd, vd, pd, sd = dense[r]
+        keys[i, :, :length], values[i, :, :length], positions[i, :, :length] = kd, vd, pd
+        for name, t in sd.items():
+            state[name][i, :, :length] = t
     res = ws.seq.evict(li, plan.schedule, ev, keys, values, positions, valid, state, scaling=scale, rows=rows)
     kk, vv, pp, st = gather_kept(res.indices, res.keep, keys, values, positions, res.state)
     write_front(kv_cache, layout.write_rows[torch.tensor(ev, dtype=torch.long)], kk, vv, layer, kv_cache_dtype)

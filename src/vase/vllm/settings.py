@@ -182,6 +182,14 @@ class EngineSettings:
         """Width of the per-slot tables: the cap of :attr:`largest_budget` in whole blocks."""
         return self.cap_blocks_for(self.largest_budget) * self.block_size
 
+    def concurrent_rows(self, num_blocks: int) -> int:
+        """The most evicting requests a pool of ``num_blocks`` blocks holds at once with every one at its cap (at the
+        floor of elastic budgets, else at the budget): the rows a worker makes room for at start-up (short prompts
+        not yet at their cap, full-cache requests change the count; more rows grow by doubling)."""
+        if not self.evicts:
+            return 0
+        return num_blocks // self.cap_blocks_for(self.floor if self.elastic else self.config.budget)
+
     def cap_blocks_for(self, budget: int) -> int:
         """KV blocks a request of budget ``budget`` holds at most: ``ceil((budget + buffer) / block_size)``."""
         return math.ceil((budget + self.config.buffer) / self.block_size)

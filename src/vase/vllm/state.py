@@ -101,7 +101,8 @@ class PagedStep:
     of each full-attention group); ``seq_lens`` ``[R]`` int32 for the kernel (physical; for dense rows ``n``, unused:
     the kernel attends them over a scratch cache, :class:`vase.vllm.compact.DenseSplit`); ``positions`` ``[T]``
     logical. ``ring``: where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the
-    token of each.
+    token of each. ``deferred``: the layers whose rows that fit in their blocks evict after the forward, all layers
+    together (:func:`vase.vllm.compact.evict_deferred`).
     """
 
     schedule: StepSchedule
@@ -123,6 +124,7 @@ class PagedStep:
     ring: RingWrite | None = None
     ring_tok: torch.Tensor | None = None
     cache: dict = field(default_factory=dict)  # tensors shared by the layers of this step (built on first use)
+    deferred: list = field(default_factory=list)  # the layers whose paged rows evict after the forward
 
 
 class WorkerState:
@@ -178,18 +180,21 @@ class WorkerState:
         layer_ids: list[int] | None = None,
         head_offset: int = 0,
         groups: dict[int, list[str]] | None = None,
+        rows: int = 16,
     ) -> None:
         """Set the layers (in model order; ``layer_ids``: their model indices, which key the random choices, default
         ``0 .. L-1``) and the shapes (``kv_heads``, ``q_heads``: this worker's share with tensor parallelism,
         ``head_offset``: the model's index of its first KV head; ``groups``: the KV cache groups of these layers,
-        group index -> layer names, default one group 0); the tables are made for the first rows."""
+        group index -> layer names, default one group 0); the tables and the query ring are made for ``rows`` rows
+        at once (at least 16, at most ``max_reqs``; more grow by doubling, a copy on the step that admits them: sized
+        by :meth:`vase.vllm.settings.EngineSettings.concurrent_rows`, a burst of requests does not pay it)."""
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.groups = dict(groups) if groups else {0: list(layer_names)}
         self.layer_group = {name: g for g, names in self.groups.items() for name in names}
         self.dims = (len(layer_names), kv_heads, q_heads, head_dim, dtype)
         ids = list(range(len(layer_names))) if layer_ids is None else list(layer_ids)
         self.seq = Sequences(self.s.config, ids, head_offset=head_offset)
-        self._grow(min(self.max_reqs, 16))
+        self._grow(min(self.max_reqs, max(rows, 16)))
 
     def _grow(self, capacity: int) -> None:
         """Room for ``capacity`` rows, the old rows copied over (a doubling: rare, amortized)."""

@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from . import compact
 from . import state as st
 from .settings import settings_from
 from .spec import VaseFullAttentionSpec
@@ -122,6 +123,7 @@ class VaseCPUModelRunner(CPUModelRunner):
             layer_ids=[extract_layer_index(name) for name in names],
             head_offset=offset,
             groups=groups,
+            rows=self.vase_state.s.concurrent_rows(kv_cache_config.num_blocks),
         )
         others = len(kv_cache_config.kv_cache_groups) - len(groups)
         kept = f", {others} sliding-window group(s) left to vLLM" if others else ""
@@ -161,7 +163,13 @@ class VaseCPUModelRunner(CPUModelRunner):
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         t = time.perf_counter()
         try:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            out = super().execute_model(scheduler_output, intermediate_tensors)
+            plan = self.vase_state.plan
+            if plan is not None and plan.deferred:  # every layer's paged evictions, together (compact.evict_deferred)
+                te = time.perf_counter()
+                compact.evict_deferred(self.vase_state, plan)
+                self.vase_state.stats["t_evict"] += time.perf_counter() - te
+            return out
         finally:
             self.vase_state.stats["t_step"] += time.perf_counter() - t
             self.vase_state.commit()
