@@ -178,7 +178,9 @@ class Sequences:
         Raises:
             ValueError: rows admitted with different budgets (split them with :func:`budget_groups`).
         """
-        return self._evict([layer], step, which, keys, values, positions, valid, state, scaling, rows)
+        return self.evict_layers(
+            [layer], step, which, keys, values, positions, valid, state, scaling=scaling, rows=rows
+        )
 
     def evict_layers(
         self,
@@ -217,17 +219,7 @@ class Sequences:
             ValueError: layers with different budgets (PyramidKV: see :meth:`layer_groups`), or rows with different
                 budgets (:func:`budget_groups`).
         """
-        return self._evict(list(layers), step, which, keys, values, positions, valid, state, scaling, rows)
-
-    def layer_groups(self, layers: list[int]) -> list[list[int]]:
-        """``layers`` (evicting-layer indices) split into groups sharing a budget, in order of first appearance:
-        one :meth:`evict_layers` call per group (one group unless ``layer_budget='pyramid'``)."""
-        groups: dict[int, list[int]] = {}
-        for li in layers:
-            groups.setdefault(self.layer_budgets[li], []).append(li)
-        return list(groups.values())
-
-    def _evict(self, layers, step, which, keys, values, positions, valid, state, scaling, rows) -> LayerEviction:
+        layers = list(layers)
         dev = keys.device
         n = len(layers)
         table_rows = [step.rows[i] for i in which]
@@ -303,6 +295,14 @@ class Sequences:
         for i, li in enumerate(layers):
             self.tables.set_memo(li, sel, {name: m[i * b : (i + 1) * b] for name, m in ev.memo.items()})
         return ev
+
+    def layer_groups(self, layers: list[int]) -> list[list[int]]:
+        """``layers`` (evicting-layer indices) split into groups sharing a budget, in order of first appearance:
+        one :meth:`evict_layers` call per group (one group unless ``layer_budget='pyramid'``)."""
+        groups: dict[int, list[int]] = {}
+        for li in layers:
+            groups.setdefault(self.layer_budgets[li], []).append(li)
+        return list(groups.values())
 
 
 def budget_groups(step: StepSchedule, which: list[int], schedule) -> list[list[int]]:

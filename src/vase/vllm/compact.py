@@ -180,12 +180,12 @@ def evict_deferred(ws: WorkerState, plan: PagedStep) -> None:
         return
     ev = [i for i in plan.schedule.evict if not plan.dense[i]]
     hq, window = ws.dims[2], max(ws.seq.config.window or 0, 1)
+    by_key: dict = {}  # layers that can share a call: the same budget and attention scale
+    for d in deferred:
+        by_key.setdefault((ws.seq.layer_budgets[d.li], d.scale), []).append(d)
     for group in budget_groups(plan.schedule, ev, ws.seq.schedule):
         s = max(int(plan.fill_before[r] + plan.n[r]) for r in group)
         per = max(1, STACK_ELEMENTS // (len(group) * hq * window * s))  # layers per call
-        by_key: dict = {}
-        for d in deferred:
-            by_key.setdefault((ws.seq.layer_budgets[d.li], d.scale), []).append(d)
         for layers in by_key.values():
             for i in range(0, len(layers), per):
                 _evict_layers(ws, plan, layers[i : i + per], group)
