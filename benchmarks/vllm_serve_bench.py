@@ -198,7 +198,7 @@ def _client(args, server: Server, dataset: Path, rate: str, out: Path, tag: str)
         "--temperature", str(args.temperature), "--top-p", str(args.top_p),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--disable-tqdm",
-        "--save-result", "--result-dir", str(out), "--result-filename", f"{tag}-{server.name}.json",
+        "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", f"{tag}-{server.name}.json",
     ]  # fmt: skip
     log = open(out / f"client-{tag}-{server.name}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

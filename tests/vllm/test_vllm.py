@@ -338,6 +338,7 @@ def scenarios(model_dir, prompts, prefix_prompts, tmp_path_factory):
         {"name": "full", "vase": {"policy": "full"}},
         {"name": "big", "vase": {"policy": "streaming_llm", "budget": 4096, "buffer": BUFFER, "sinks": SINKS}},
         *[{"name": p, "vase": {"policy": p, **vase_kw}, "seeds": SEEDS} for p in MATRIX],
+        {"name": "vase-in-layer", "vase": {"policy": "vase", **vase_kw}, "seeds": SEEDS, "defer_bytes": 0},
     ]
     jobs = {
         "exact": {"model": model, "prompts": prompts, "max_tokens": NEW, "engines": engines},
@@ -483,6 +484,17 @@ def test_tokens_equal_vase_on_transformers(runs, hf_refs, policy):
     worker = res[policy]["stats"]["worker"]
     assert worker["rows_evicted"] >= 12 and worker["dense_rows"] >= (1 if compresses_prompt(policy) else 0)
     assert got != res["plain"]["outputs"]  # eviction changed something
+
+
+@needs_vllm
+def test_dense_rows_evicted_in_their_layer_or_after_the_step_alike(runs):
+    """A prompt longer than the cap is compressed from its entries of each layer's dense pass, either in the layer
+    (past the plugin's DEFER_BYTES) or after the step with every other eviction (the default): the same tokens."""
+    res = _result(runs, "exact")
+    in_layer, after = res["vase-in-layer"], res["vase"]
+    assert in_layer["stats"]["worker"]["compressed_at_prefill"] == 1
+    assert in_layer["outputs"] == after["outputs"]
+    assert in_layer["stats"]["worker"]["rows_evicted"] == after["stats"]["worker"]["rows_evicted"]
 
 
 @needs_vllm

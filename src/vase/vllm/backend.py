@@ -154,8 +154,8 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         elif split.paged.numel():  # the rows that fit in their blocks, packed: the kernel over the paged cache
             tok = split.paged_tok
             out = output.new_empty((tok.numel(), *output.shape[1:]))
-            super().forward(layer, query[tok], None, None, kv_cache, attn_metadata, out)
-            output[tok] = out
+            super().forward(layer, query.index_select(0, tok), None, None, kv_cache, attn_metadata, out)
+            output.index_copy_(0, tok, out)
         if plan is not None:
             t = time.perf_counter()
             self._after_attention(layer, query[:n], key[:n], value[:n], kv_cache, plan, attn_metadata, output)

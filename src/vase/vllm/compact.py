@@ -9,20 +9,22 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
    one) are attended by vLLM's kernel over a scratch cache holding their held entries and their new ones (causal,
    at their offset; the paged call left them out, :class:`DenseSplit`), so that every row's attention is the
    kernel's and none is computed twice;
-3. the dense rows are compacted now (their entries exist only in this layer's dense pass): the sequence model
-   chooses ``budget`` per KV head (:meth:`vase.core.sequence.Sequences.evict`), :func:`vase.core.evict.gather_kept`
-   packs them, and they are written to the row's first slots; their positions and per-slot state go back to the row
-   tables;
-4. the other rows whose fill reached their limit are compacted after the forward, every layer together
-   (:func:`evict_deferred`): their entries are gathered from each layer's paged cache and the layers are stacked
-   into few calls of :meth:`vase.core.sequence.Sequences.evict_layers`. A layer's cache is read again only at the
-   next step, so the result is the same as evicting in each layer right after its attention; a decode step's rows
-   reach their limit one or two at a time, and one call per layer would cost mostly its per-operation overhead.
+3. the evicting rows are compacted after the step, every layer together (:func:`evict_deferred`, run by the worker
+   at the start of the next step, once the step's tokens have been sampled and sent): rows that fit in their blocks
+   gathered from each layer's paged cache, dense rows from their entries of each layer's dense pass (held until
+   then, within :data:`DEFER_BYTES`; past it they are compacted in their layer). The sequence model chooses
+   ``budget`` per KV head (:meth:`vase.core.sequence.Sequences.evict_layers`, layers stacked into few calls),
+   :func:`vase.core.evict.gather_kept` packs them, they are written to each row's first slots, and their positions
+   and per-slot state go back to the row tables. A layer's cache, tables and saved queries are read again only at
+   the next step's forward, so every row keeps what it would have kept had it been evicted in its layer right after
+   its attention; meanwhile the step's first tokens leave (a prompt's compression is not in its time to first
+   token), and a step's rows reaching their limit one or two at a time cost one call, not one per layer (mostly
+   per-operation overhead).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,7 +40,7 @@ def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> 
     ``li``'s ring."""
     ring = ws.seq.ring
     if ring is not None and plan.ring is not None and plan.ring_tok.numel():
-        ring.write(li, plan.ring, q[plan.ring_tok])
+        ring.write(li, plan.ring, q.index_select(0, plan.ring_tok))
 
 
 @dataclass
@@ -127,8 +129,8 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
     impl.do_kv_cache_update(layer, torch.cat(kt).contiguous(), torch.cat(vt).contiguous(), scratch, split.slots)
     tok = split.dense_tok
     o = output.new_empty((tok.numel(), *output.shape[1:]))
-    impl.attend_scratch(layer, q[tok], scratch, md.vase_dense, o)
-    output[tok] = o
+    impl.attend_scratch(layer, q.index_select(0, tok), scratch, md.vase_dense, o)
+    output.index_copy_(0, tok, o)
     return out
 
 
@@ -144,11 +146,16 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
 # the most elements of one stacked eviction's attention weights (rows x query heads x window x slots): past it the
 # tensors outgrow the caches and a row costs more than alone
 STACK_ELEMENTS = 1 << 21
+# the most bytes of dense rows' entries (keys, values, positions, state, all layers) a step holds until its evictions
+# run after the forward; a step over it (a long prompt in one step) evicts its dense rows in each layer instead
+DEFER_BYTES = 256 << 20
 
 
 @dataclass
 class DeferredLayer:
-    """A layer whose paged evicting rows are compacted after the forward (:func:`evict_deferred`)."""
+    """A layer whose evicting rows are compacted after the forward (:func:`evict_deferred`): the rows that fit in
+    their blocks are read from ``kv_cache``; ``dense`` holds the dense rows' entries of this layer's dense pass (batch
+    row -> keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]``, state), empty when they were evicted in the layer."""
 
     li: int
     layer: object
@@ -156,43 +163,77 @@ class DeferredLayer:
     layout: GroupLayout
     scale: float
     kv_cache_dtype: str
+    dense: dict = field(default_factory=dict)
+
+
+def defers_dense(ws: WorkerState, plan: PagedStep) -> bool:
+    """Whether the step's evicting dense rows are compacted after the forward with the others (their entries of every
+    layer held until then: within :data:`DEFER_BYTES`), rather than in each layer."""
+    if "defer_dense" not in plan.cache:
+        rows = [i for i in plan.schedule.evict if plan.dense[i]]
+        tokens = sum(int(plan.fill_before[r] + plan.n[r]) for r in rows)
+        layers, h, _, d, dtype = ws.dims
+        per_token = h * (2 * d * torch.empty((), dtype=dtype).element_size() + 8 + 4 * len(ws.seq.policy.state_names))
+        plan.cache["defer_dense"] = tokens * per_token * layers <= DEFER_BYTES
+    return plan.cache["defer_dense"]
 
 
 def evict_rows(
     ws, li, layer, kv_cache, plan: PagedStep, layout: GroupLayout, dense: dict, scale: float, kv_cache_dtype: str
 ) -> None:
     """Compact the evicting rows of the step in layer ``li`` (its KV cache group's ``layout``; see the module
-    docstring): the dense ones now, one eviction per budget among them (requests with budgets of their own,
-    ``vase_budget``); the others are left to :func:`evict_deferred`."""
-    now = [i for i in plan.schedule.evict if plan.dense[i]]
-    if len(now) < len(plan.schedule.evict):
-        plan.deferred.append(DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype))
-    for group in budget_groups(plan.schedule, now, ws.seq.schedule):
-        _evict_group(ws, li, layer, kv_cache, plan, layout, dense, scale, kv_cache_dtype, group)
+    docstring): the rows that fit in their blocks are left to :func:`evict_deferred`, and so are the dense ones
+    (their entries kept from this layer's dense pass, ``dense``) within :data:`DEFER_BYTES`; past it the dense rows
+    are compacted now, one eviction per budget among them (requests with budgets of their own, ``vase_budget``)."""
+    dense_ev = [i for i in plan.schedule.evict if plan.dense[i]]
+    later = defers_dense(ws, plan)
+    if later or len(dense_ev) < len(plan.schedule.evict):
+        held = {r: _detached(dense[r]) for r in dense_ev} if later else {}
+        plan.deferred.append(DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype, held))
+    if not later:
+        now = DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype, dense)
+        for group in budget_groups(plan.schedule, dense_ev, ws.seq.schedule):
+            _evict_layers(ws, plan, [now], group, dense=True)
 
 
-def evict_deferred(ws: WorkerState, plan: PagedStep) -> None:
-    """After the step's forward: compact the evicting rows that fit in their blocks in every layer that deferred them
-    (:func:`evict_rows`), the layers stacked into as few :meth:`vase.core.sequence.Sequences.evict_layers` calls as
-    budgets, attention scales and :data:`STACK_ELEMENTS` allow."""
+def _detached(entry):
+    """A dense row's entries of one layer, copied out of the step's tensors (views of the whole batch's keys and
+    values, which would otherwise stay alive with them until the evictions run)."""
+    keys, values, positions, state = entry
+    return keys.contiguous(), values.contiguous(), positions, state
+
+
+def evict_deferred(ws: WorkerState, plan: PagedStep, skip=frozenset()) -> None:
+    """Compact the evicting rows every layer of ``plan``'s step deferred (:func:`evict_rows`), the layers stacked
+    into as few :meth:`vase.core.sequence.Sequences.evict_layers` calls as budgets, attention scales and
+    :data:`STACK_ELEMENTS` allow; the rows of the requests in ``skip`` (finished, aborted or preempted since: their
+    rows are released unread) are left out.
+
+    The worker runs this at the start of the next step, before that step's plan reads the tables (or when its counters
+    are read): each row chooses what it would have chosen right after its layer's attention (no cache, table or saved
+    query it reads changes in between), and the step's sampled tokens leave the engine first."""
     deferred, plan.deferred = plan.deferred, []
     if not deferred:
         return
-    ev = [i for i in plan.schedule.evict if not plan.dense[i]]
     hq, window = ws.dims[2], max(ws.seq.config.window or 0, 1)
     by_key: dict = {}  # layers that can share a call: the same budget and attention scale
     for d in deferred:
         by_key.setdefault((ws.seq.layer_budgets[d.li], d.scale), []).append(d)
-    for group in budget_groups(plan.schedule, ev, ws.seq.schedule):
-        s = max(int(plan.fill_before[r] + plan.n[r]) for r in group)
-        per = max(1, STACK_ELEMENTS // (len(group) * hq * window * s))  # layers per call
-        for layers in by_key.values():
-            for i in range(0, len(layers), per):
-                _evict_layers(ws, plan, layers[i : i + per], group)
+    for dense in (False, True):
+        ev = [i for i in plan.schedule.evict if plan.req_ids[i] not in skip and bool(plan.dense[i]) == dense]
+        if dense:
+            ev = [i for i in ev if i in deferred[0].dense]  # past DEFER_BYTES they were evicted in their layer
+        for group in budget_groups(plan.schedule, ev, ws.seq.schedule):
+            s = max(int(plan.fill_before[r] + plan.n[r]) for r in group)
+            per = max(1, STACK_ELEMENTS // (len(group) * hq * window * s))  # layers per call
+            for layers in by_key.values():
+                for i in range(0, len(layers), per):
+                    _evict_layers(ws, plan, layers[i : i + per], group, dense=dense)
 
 
-def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int]) -> None:
-    """Compact the rows ``ev`` (batch rows that fit in their blocks, sharing a budget) in ``layers`` in one call."""
+def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int], dense: bool) -> None:
+    """Compact the rows ``ev`` (batch rows sharing a budget) in ``layers`` in one call: rows that fit in their blocks
+    read from each layer's paged cache, dense rows (``dense``) from each layer's entries of its dense pass."""
     which = torch.tensor(ev, dtype=torch.long)
     rows = plan.rows[which]
     lengths = torch.tensor([int(plan.fill_before[r] + plan.n[r]) for r in ev])
@@ -201,12 +242,17 @@ def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int
     beyond = ~valid.unsqueeze(1)  # [b, 1, s]: slots past a row's length hold nothing
     keys, values, positions, states = [], [], [], []
     for d in layers:
-        k, v = gather(d.kv_cache, d.layout.block_rows[which], s)
-        p, st = _held(ws, d.li, plan, ev, s)
+        if dense:
+            k, v, p, st = _padded(ws, d, ev, lengths, s)
+        else:
+            k, v = gather(d.kv_cache, d.layout.block_rows[which], s)
+            p, st = _held(ws, d.li, plan, ev, s)
+            p = p.masked_fill_(beyond, -1)
+            st = {name: t.masked_fill_(beyond, 0.0) for name, t in st.items()}
         keys.append(k)
         values.append(v)
-        positions.append(p.masked_fill_(beyond, -1))
-        states.append({name: t.masked_fill_(beyond, 0.0) for name, t in st.items()})
+        positions.append(p)
+        states.append(st)
     n = len(layers)
     keys, values, positions = torch.cat(keys), torch.cat(values), torch.cat(positions)
     state = {name: torch.cat([st[name] for st in states]) for name in states[0]}
@@ -229,26 +275,19 @@ def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int
         ws.seq.tables.write_kept(d.li, rows, pp[part], {name: t[part] for name, t in st.items()})
 
 
-def _evict_group(ws, li, layer, kv_cache, plan, layout, dense: dict, scale, kv_cache_dtype, ev: list[int]) -> None:
-    """Compact the dense rows ``ev`` (batch rows sharing a budget) in layer ``li``, from their entries of this
-    layer's dense pass (``dense``: :func:`attend_dense`)."""
-    rows = plan.rows[torch.tensor(ev, dtype=torch.long)]
-    lengths = [int(plan.fill_before[r] + plan.n[r]) for r in ev]
-    b, s = len(ev), max(lengths)
-    h = kv_cache.shape[1]
-    d = kv_cache.shape[3] // 2
-    keys = torch.zeros(b, h, s, d, dtype=kv_cache.dtype)
+def _padded(ws, d: DeferredLayer, ev: list[int], lengths: torch.Tensor, s: int):
+    """The dense rows ``ev``'s entries of layer ``d`` (its dense pass), padded to ``s`` slots: keys, values
+    ``[b, H, s, D]``, positions ``[b, H, s]`` (-1 past a row's length) and state."""
+    b = len(ev)
+    h, _, dim = d.dense[ev[0]][0].shape
+    keys = torch.zeros(b, h, s, dim, dtype=d.dense[ev[0]][0].dtype)
     values = torch.zeros_like(keys)
-    valid = torch.arange(s).view(1, s) < torch.tensor(lengths).view(b, 1)
-    positions = torch.full((b, h, s), -1, dtype=torch.long)  # slots past a row's length hold nothing
+    positions = torch.full((b, h, s), -1, dtype=torch.long)
     state = {name: torch.zeros(b, h, s) for name in ws.seq.policy.state_names}
     for i, r in enumerate(ev):
-        length = lengths[i]
-        kd, vd, pd, sd = dense[r]
+        length = int(lengths[i])
+        kd, vd, pd, sd = d.dense[r]
         keys[i, :, :length], values[i, :, :length], positions[i, :, :length] = kd, vd, pd
         for name, t in sd.items():
             state[name][i, :, :length] = t
-    res = ws.seq.evict(li, plan.schedule, ev, keys, values, positions, valid, state, scaling=scale, rows=rows)
-    kk, vv, pp, st = gather_kept(res.indices, res.keep, keys, values, positions, res.state)
-    write_front(kv_cache, layout.write_rows[torch.tensor(ev, dtype=torch.long)], kk, vv, layer, kv_cache_dtype)
-    ws.seq.tables.write_kept(li, rows, pp, st)
+    return keys, values, positions, state

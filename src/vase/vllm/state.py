@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,8 +102,8 @@ class PagedStep:
     of each full-attention group); ``seq_lens`` ``[R]`` int32 for the kernel (physical; for dense rows ``n``, unused:
     the kernel attends them over a scratch cache, :class:`vase.vllm.compact.DenseSplit`); ``positions`` ``[T]``
     logical. ``ring``: where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the
-    token of each. ``deferred``: the layers whose rows that fit in their blocks evict after the forward, all layers
-    together (:func:`vase.vllm.compact.evict_deferred`).
+    token of each. ``deferred``: the layers whose evicting rows are compacted after the step, all layers together
+    (:func:`vase.vllm.compact.evict_deferred`, at the start of the next step: :meth:`WorkerState.flush`).
     """
 
     schedule: StepSchedule
@@ -124,7 +125,7 @@ class PagedStep:
     ring: RingWrite | None = None
     ring_tok: torch.Tensor | None = None
     cache: dict = field(default_factory=dict)  # tensors shared by the layers of this step (built on first use)
-    deferred: list = field(default_factory=list)  # the layers whose paged rows evict after the forward
+    deferred: list = field(default_factory=list)  # the layers whose rows evict after the step
 
 
 class WorkerState:
@@ -151,6 +152,7 @@ class WorkerState:
         self.dims: tuple | None = None
         self.seq: Sequences | None = None
         self.plan: PagedStep | None = None
+        self.pending: PagedStep | None = None  # the last step, while its deferred evictions wait (flush)
         self.stats = {
             "steps": 0,
             "admitted": 0,
@@ -274,12 +276,28 @@ class WorkerState:
         return self.seq.schedule.limit(self.row_of[req_id])
 
     # ---------------------------------------------------------------------------------------------- commit
+    def flush(self, skip=frozenset()) -> None:
+        """Run the evictions the last committed step deferred (:func:`vase.vllm.compact.evict_deferred`), leaving out
+        the requests in ``skip`` (finished, aborted or preempted since); the worker calls it at the start of each step,
+        before the step's plan, and before its counters are read."""
+        from .compact import evict_deferred  # compact reads this module's types
+
+        p, self.pending = self.pending, None
+        if p is not None and p.deferred:
+            t = time.perf_counter()
+            evict_deferred(self, p, skip)
+            self.stats["t_evict"] += time.perf_counter() - t
+
     def commit(self) -> None:
-        """After a step's forward: the sequence model moves on (fills, eviction counts, ring pointers, limits)."""
+        """After a step's forward: the sequence model moves on (fills, eviction counts, ring pointers, limits); the
+        evictions its layers deferred wait for :meth:`flush` (nothing the next step's scheduling reads depends on
+        them: the fills are the schedule's)."""
         p = self.plan
         if p is None:
             return
         self.plan = None
+        if p.deferred:
+            self.pending = p
         self.seq.commit(p.schedule, p.ring)
         st = self.stats
         n_ev = int(p.evict.sum())

@@ -13,7 +13,9 @@ which overrides four methods of vLLM's V1 runner (``v1/worker/gpu_model_runner.p
 * ``_prepare_inputs``: once the batch rows are final (``input_batch.req_ids``) and the block table committed, the
   step's plan: each row's physical fill before and after, who evicts, who does not fit, the physical slot of every
   new token, the kernel's physical ``seq_lens``, which queries go to the ring;
-* ``execute_model``: the plan is committed once the forward has run.
+* ``execute_model``: the plan is committed once the forward has run; the evictions its layers deferred run at the
+  start of the next step (:meth:`vase.vllm.state.WorkerState.flush`), once the step's tokens have been sampled and
+  sent.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from . import compact
 from . import state as st
 from .settings import settings_from
 from .spec import VaseFullAttentionSpec
@@ -64,6 +65,7 @@ class VaseCPUWorker(CPUWorker):
         ws = getattr(self.model_runner, "vase_state", None)
         if ws is None:
             return None
+        ws.flush()
         return {
             **ws.stats,
             "live_rows": len(ws.row_of),
@@ -163,13 +165,10 @@ class VaseCPUModelRunner(CPUModelRunner):
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         t = time.perf_counter()
         try:
-            out = super().execute_model(scheduler_output, intermediate_tensors)
-            plan = self.vase_state.plan
-            if plan is not None and plan.deferred:  # every layer's paged evictions, together (compact.evict_deferred)
-                te = time.perf_counter()
-                compact.evict_deferred(self.vase_state, plan)
-                self.vase_state.stats["t_evict"] += time.perf_counter() - te
-            return out
+            # the previous step's evictions, now that its tokens have left the engine (rows released unread skipped)
+            gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            self.vase_state.flush(gone)
+            return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self.vase_state.stats["t_step"] += time.perf_counter() - t
             self.vase_state.commit()
