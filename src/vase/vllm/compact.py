@@ -147,13 +147,13 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
 # tensors outgrow the caches and a row costs more than alone
 STACK_ELEMENTS = 1 << 21
 # the most bytes of dense rows' entries (keys, values, positions, state, all layers) a step holds until its evictions
-# run after the forward; a step over it (a long prompt in one step) evicts its dense rows in each layer instead
+# run after the step; a step over it (a long prompt in one step) evicts its dense rows in each layer instead
 DEFER_BYTES = 256 << 20
 
 
 @dataclass
 class DeferredLayer:
-    """A layer whose evicting rows are compacted after the forward (:func:`evict_deferred`): the rows that fit in
+    """A layer whose evicting rows are compacted after the step (:func:`evict_deferred`): the rows that fit in
     their blocks are read from ``kv_cache``; ``dense`` holds the dense rows' entries of this layer's dense pass (batch
     row -> keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]``, state), empty when they were evicted in the layer."""
 
@@ -167,7 +167,7 @@ class DeferredLayer:
 
 
 def defers_dense(ws: WorkerState, plan: PagedStep) -> bool:
-    """Whether the step's evicting dense rows are compacted after the forward with the others (their entries of every
+    """Whether the step's evicting dense rows are compacted after the step with the others (their entries of every
     layer held until then: within :data:`DEFER_BYTES`), rather than in each layer."""
     if "defer_dense" not in plan.cache:
         rows = [i for i in plan.schedule.evict if plan.dense[i]]
