@@ -173,7 +173,7 @@ def defers_dense(ws: WorkerState, plan: PagedStep) -> bool:
         rows = [i for i in plan.schedule.evict if plan.dense[i]]
         tokens = sum(int(plan.fill_before[r] + plan.n[r]) for r in rows)
         layers, h, _, d, dtype = ws.dims
-        per_token = h * (2 * d * torch.empty((), dtype=dtype).element_size() + 8 + 4 * len(ws.seq.policy.state_names))
+        per_token = h * (2 * d * dtype.itemsize + 8 + 4 * len(ws.seq.policy.state_names))
         plan.cache["defer_dense"] = tokens * per_token * layers <= DEFER_BYTES
     return plan.cache["defer_dense"]
 
