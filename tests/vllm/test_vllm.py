@@ -82,7 +82,7 @@ def test_request_budgets_within_the_engine_limits():
     from vase.vllm.state import WorkerState
 
     cfg, engine = parse("streaming_llm:budget=48:buffer=16:sinks=4:max_budget=112:allow_full=true")
-    assert engine == {"admission": "elastic", "max_budget": 112, "allow_full": True}
+    assert engine == {"admission": "elastic", "max_budget": 112, "allow_full": True, "prefill_first": True}
     s = EngineSettings(cfg, block_size=32, **engine)
     assert [s.request_budget(x) for x in (None, {"vase_budget": 96}, {"vase_budget": "full"})] == [48, 96, None]
     assert (s.cap_tokens, s.table_tokens) == (64, 128)
@@ -106,6 +106,7 @@ def test_request_budgets_within_the_engine_limits():
         ("h2o:budget=256:max_budget=128", "max_budget must be an integer number of tokens at least the budget (256)"),
         ("vase:preset=paper:budget=128:buffer=64:max_budget=200", "max_budget 200: the published method"),
         ("h2o:budget=256:allow_full=maybe", "allow_full must be true or false"),
+        ("h2o:budget=256:prefill_first=later", "prefill_first must be true or false"),
     ]:
         with pytest.raises(vase.vllm.VaseConfigError, match=re.escape(words)):
             parse(raw)
@@ -160,7 +161,7 @@ def test_spec_string_and_dict_resolve_alike():
     b, adm_b = parse({"policy": "snapkv:selector=sample", "budget": 256, "buffer": 32, "sinks": 2})
     assert (a.budget, a.buffer, a.sinks, a.policy.options["selector"]) == (256, 32, 2, "sample")
     assert (b.budget, b.buffer, b.sinks, b.policy.options) == (a.budget, a.buffer, a.sinks, a.policy.options)
-    assert adm_a == adm_b == {"admission": "elastic", "max_budget": None, "allow_full": False}
+    assert adm_a == adm_b == {"admission": "elastic", "max_budget": None, "allow_full": False, "prefill_first": True}
     paper, _ = parse("vase:preset=paper:budget=256:buffer=64")
     assert not paper.compress_prompt and paper.window == 64
 
@@ -348,6 +349,7 @@ def scenarios(model_dir, prompts, prefix_prompts, tmp_path_factory):
             "max_tokens": NEW,
             "vase": {"policy": "vase", **vase_kw},
             "join_steps": [0, 9, 40],
+            "prefill_first": [[prompts[2], SEEDS[2]], [prompts[0], SEEDS[0]]],
         },
         "lifecycle": {
             "model": model,
@@ -533,6 +535,27 @@ def test_sampled_request_unchanged_by_the_batch(runs):
     assert res["in_batch"] == res["alone"]  # others joined before, during and after it
     assert res["sampling_seed"] == res["alone"]  # SamplingParams.seed is the eviction seed without vase_seed
     assert res["batch_stats"]["worker"]["live_max"] >= 3
+
+
+@needs_vllm
+def test_prefill_first_defers_a_compressed_prompts_first_decode(runs, hf_refs):
+    """``prefill_first`` (the default): a request whose prompt was compressed at prefill sits out its first decode step
+    when that step prefills a prompt that arrived meanwhile, and its compression waits until the step that schedules
+    it; both requests' tokens are still vase on transformers'."""
+    res = _result(runs, "batch")["prefill_first"]
+    assert res["outputs"]["first"] == hf_refs["vase"][2][0]
+    assert res["outputs"]["second"] == hf_refs["vase"][0][0]
+    # step 1: the first's token; step 2: the second's first token, the first waits; step 3: both decode
+    assert res["counts"][:3] == [{"first": 1}, {"second": 1}, {"first": 2, "second": 2}], res["counts"]
+    before, after = res["before"], res["after"]
+    assert after["scheduler"]["held_back"] - before["scheduler"]["held_back"] == 1
+    assert after["worker"]["flushes_waited"] - before["worker"]["flushes_waited"] == 1
+    assert after["worker"]["compressed_at_prefill"] - before["worker"]["compressed_at_prefill"] == 1
+    # aborted while it waits: its compression is dropped unread, the other request goes on, every block comes back
+    aborted = res["aborted"]
+    assert aborted["waiting"] == 1 and aborted["left"] == 0
+    assert aborted["outputs"]["next"] == hf_refs["vase"][0][0]
+    assert aborted["free_blocks"] == aborted["pool_blocks"]
 
 
 @needs_vllm

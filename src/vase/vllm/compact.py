@@ -10,14 +10,15 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
    at their offset; the paged call left them out, :class:`DenseSplit`), so that every row's attention is the
    kernel's and none is computed twice;
 3. the evicting rows are compacted after the step, every layer together (:func:`evict_deferred`, run by the worker
-   at the start of the next step, once the step's tokens have been sampled and sent): rows that fit in their blocks
+   at the start of the next step that schedules one of them, once the step's tokens have been sampled and sent; a
+   request compressed at prefill may sit out one step, ``prefill_first``): rows that fit in their blocks
    gathered from each layer's paged cache, dense rows from their entries of each layer's dense pass (held until
    then, within :data:`DEFER_BYTES`; past it they are compacted in their layer). The sequence model chooses
    ``budget`` per KV head (:meth:`vase.core.sequence.Sequences.evict_layers`, layers stacked into few calls),
    :func:`vase.core.evict.gather_kept` packs them, they are written to each row's first slots, and their positions
-   and per-slot state go back to the row tables. A layer's cache, tables and saved queries are read again only at
-   the next step's forward, so every row keeps what it would have kept had it been evicted in its layer right after
-   its attention; meanwhile the step's first tokens leave (a prompt's compression is not in its time to first
+   and per-slot state go back to the row tables. A row's cache, tables and saved queries are read again only by the
+   next forward that schedules it, so every row keeps what it would have kept had it been evicted in its layer right
+   after its attention; meanwhile the step's first tokens leave (a prompt's compression is not in its time to first
    token), and a step's rows reaching their limit one or two at a time cost one call, not one per layer (mostly
    per-operation overhead).
 """
@@ -146,8 +147,9 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
 # the most elements of one stacked eviction's attention weights (rows x query heads x window x slots): past it the
 # tensors outgrow the caches and a row costs more than alone
 STACK_ELEMENTS = 1 << 21
-# the most bytes of dense rows' entries (keys, values, positions, state, all layers) a step holds until its evictions
-# run after the step; a step over it (a long prompt in one step) evicts its dense rows in each layer instead
+# the most bytes of dense rows' entries (keys, values, positions, state, all layers) held until their evictions run
+# after the step (with those of steps still waiting); a step over it (a long prompt in one step) evicts its dense rows
+# in each layer instead
 DEFER_BYTES = 256 << 20
 
 
@@ -168,13 +170,18 @@ class DeferredLayer:
 
 def defers_dense(ws: WorkerState, plan: PagedStep) -> bool:
     """Whether the step's evicting dense rows are compacted after the step with the others (their entries of every
-    layer held until then: within :data:`DEFER_BYTES`), rather than in each layer."""
+    layer held until then: within :data:`DEFER_BYTES`, less what the steps still waiting hold), rather than in each
+    layer."""
     if "defer_dense" not in plan.cache:
         rows = [i for i in plan.schedule.evict if plan.dense[i]]
         tokens = sum(int(plan.fill_before[r] + plan.n[r]) for r in rows)
         layers, h, _, d, dtype = ws.dims
         per_token = h * (2 * d * dtype.itemsize + 8 + 4 * len(ws.seq.policy.state_names))
-        plan.cache["defer_dense"] = tokens * per_token * layers <= DEFER_BYTES
+        held = sum(p.cache.get("dense_bytes", 0) for p in ws.pending)
+        plan.cache["dense_bytes"] = tokens * per_token * layers
+        plan.cache["defer_dense"] = held + plan.cache["dense_bytes"] <= DEFER_BYTES
+        if not plan.cache["defer_dense"]:
+            plan.cache["dense_bytes"] = 0
     return plan.cache["defer_dense"]
 
 

@@ -19,6 +19,11 @@ stop conditions); only the blocks follow the physical bound ``budget + buffer``.
   the blocks of its own budget (its cap, or fewer if its prompt + ``max_tokens`` need fewer) when it is admitted, and
   waits until they are free. Neither is ever preempted for memory. ``grow``: blocks are added as the request grows, up
   to its cap, as vLLM does (vLLM preempts when the pool runs out).
+* ``prefill_first`` (default): a request whose prompt was compressed at prefill sits out its first decode step when
+  that step admits new prompts (vLLM's ``Request.next_decode_eligible_step``, as its own schedulers use it). Its
+  compression is deferred by the worker to the start of the next step that schedules it
+  (:meth:`vase.vllm.state.WorkerState.flush`), so the prompts admitted behind it are prefilled first and their first
+  token does not wait for it; the request decodes one step later. At most once per request.
 * The worker hears each request's budget from the scheduler: ``SchedulerOutput.vase_budgets`` (request id -> budget,
   or ``"full"``) names the budget of every request scheduled for the first time and of every request shrunk in this
   step (the step's output reaches the worker before the step runs).
@@ -140,7 +145,8 @@ class VaseScheduler(Scheduler):
     a request held above its cap: 0 or less), ``peak_running``, ``preemptions``, ``trimmed`` (blocks given back
     early: dense prompts cut back to the cap, shrunk requests), ``shrinks`` (running requests whose budget was lowered),
     ``admitted_below_budget`` (requests admitted below the budget they asked for), ``min_budget_held`` (the smallest
-    budget a request held), ``groups_capped`` / ``groups_sliding`` (KV cache groups vase caps, sliding-window groups
+    budget a request held), ``held_back`` (requests that sat out their first decode step, ``prefill_first``),
+    ``groups_capped`` / ``groups_sliding`` (KV cache groups vase caps, sliding-window groups
     left to vLLM), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the
     running requests hold after the last step, and ``ceil(tokens / block_size)`` summed over them: what plain vLLM
     would hold) and their peaks ``peak_kv_blocks_held`` / ``peak_kv_blocks_without_eviction``; the same on
@@ -168,6 +174,7 @@ class VaseScheduler(Scheduler):
             "trimmed": 0,
             "shrinks": 0,
             "admitted_below_budget": 0,
+            "held_back": 0,
             "min_budget_held": None,
             "cap_blocks": None,
             "kv_blocks_held": 0,
@@ -178,6 +185,8 @@ class VaseScheduler(Scheduler):
         self._vase_managers: list[CappedFullAttentionManager] = []
         self._vase_reqs: dict[str, _Request] = {}
         self._vase_shrinking: set[str] = set()
+        self._vase_held: set[str] = set()  # requests that sat out their first decode step (prefill_first)
+        self._vase_admits = False  # whether the elastic plan of this step admits a waiting request
         if self.vase is None or not self.vase.evicts:
             return
         self._vase_others = []  # sliding-window managers: vLLM bounds them (blocks out of the window go back)
@@ -296,6 +305,7 @@ class VaseScheduler(Scheduler):
         pool = self.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1 - self.kv_cache_manager.watermark_blocks  # free and held, less the watermark
         plan = plan_admission(running, queued, usable, current)
+        self._vase_admits = bool(plan.admit)
         for rid, (budget, _) in plan.admit.items():
             if self._vase_reqs[rid].target is not None:
                 self._vase_assign(rid, budget)
@@ -347,8 +357,30 @@ class VaseScheduler(Scheduler):
         cut = type(blocks)(tuple(group[: most // bs] for group in blocks.blocks))
         return (cut, most, *rest)
 
+    def _vase_hold_back(self) -> None:
+        """``prefill_first``: the requests whose prompt was compressed in the last step (their first token out, their
+        compression deferred by the worker) sit out this step, which admits new prompts; once per request."""
+        s = self.vase
+        for r in self.running:
+            rid = r.request_id
+            req = self._vase_reqs.get(rid)
+            if req is None or req.budget is None or rid in self._vase_held:
+                continue
+            if r.num_output_tokens != 1 or r.num_computed_tokens != r.num_prompt_tokens:
+                continue  # not right after its prefill
+            if r.num_prompt_tokens < s.first_eviction(r.num_prompt_tokens, req.budget):
+                continue  # its prompt was not compressed: nothing waits
+            # schedule() advances current_step before it checks eligibility: + 2 skips this step alone
+            r.next_decode_eligible_step = max(r.next_decode_eligible_step, self.current_step + 2)
+            self._vase_held.add(rid)
+            self.vase_stats["held_back"] += 1
+
     def schedule(self, *args, **kwargs):
+        self._vase_admits = False
         changes = self._vase_elastic() if self._vase_managers and self.vase.elastic and self.waiting else {}
+        if self._vase_managers and self.vase.prefill_first and self.waiting:
+            if self._vase_admits or not self.vase.elastic:
+                self._vase_hold_back()
         out = super().schedule(*args, **kwargs)
         st = self.vase_stats
         st["peak_running"] = max(st["peak_running"], len(self.running))
@@ -395,6 +427,7 @@ class VaseScheduler(Scheduler):
             for rid in [r for r in self._vase_reqs if r not in self.requests]:
                 del self._vase_reqs[rid]
                 self._vase_shrinking.discard(rid)
+                self._vase_held.discard(rid)
 
 
 def _share(managers, request_id: str) -> float:

@@ -17,8 +17,10 @@ toward that floor when the pool is short, :mod:`vase.vllm.admission`; ``"reserve
 its budget when it is admitted, and waits until they are free; ``"grow"``: blocks are added as it grows, up to the
 cap, as vLLM does, so vLLM preempts when the pool runs out), ``min_budget`` (the floor of elastic budgets, tokens;
 default: the budget's quarter, rounded up to a budget that fills whole blocks), and the limits of per-request budgets:
-``max_budget`` (the largest budget a request may ask for, tokens; default: the budget) and ``allow_full`` (whether a
-request may ask for the full cache; default false).
+``max_budget`` (the largest budget a request may ask for, tokens; default: the budget), ``allow_full`` (whether a
+request may ask for the full cache; default false) and ``prefill_first`` (default true: a request whose prompt was
+compressed at prefill sits out its first decode step when that step admits new prompts, so that their first token does
+not wait for the compression; :class:`vase.vllm.scheduler.VaseScheduler`).
 
 **Per-request fields** (``SamplingParams.extra_args``, the OpenAI server's ``vllm_xargs``; :func:`check_fields`):
 ``vase_seed`` (the seed of the request's sampled eviction) and ``vase_budget`` (the request's own budget, an integer
@@ -132,6 +134,8 @@ class EngineSettings:
         min_budget: the floor of elastic budgets (None: :attr:`floor`'s default).
         max_budget: the largest budget a request may ask for (``vase_budget``; None: the budget).
         allow_full: whether a request may ask for the full cache (``vase_budget="full"``).
+        prefill_first: a request whose prompt was compressed at prefill sits out its first decode step when that step
+            admits new prompts (its compression then runs after their prefill, not before it).
         prefix_caching: the engine shares prompt blocks between requests (vLLM's prefix caching; a policy that keeps
             the prompt dense only): a request's full prompt blocks are never rewritten, its compaction writes to the
             blocks after them (:meth:`front_blocks`).
@@ -144,6 +148,7 @@ class EngineSettings:
     min_budget: int | None = None
     max_budget: int | None = None
     allow_full: bool = False
+    prefill_first: bool = True
     prefix_caching: bool = False
     spec: str = ""
     _ladders: dict = field(default_factory=dict, compare=False, repr=False)  # (target, floor) -> ladder
@@ -340,7 +345,8 @@ def _as_bool(value, key: str) -> bool:
 
 def parse(raw) -> tuple[VaseConfig, dict]:
     """The :class:`VaseConfig` and the engine keys of a configuration (string or dict, see the module docstring):
-    ``{"admission": ..., "max_budget": ..., "allow_full": ...}`` (and ``"min_budget"`` when given).
+    ``{"admission": ..., "max_budget": ..., "allow_full": ..., "prefill_first": ...}`` (and ``"min_budget"`` when
+    given).
 
     Raises:
         VaseConfigError: a value that is neither a string nor a dict, an option a serving engine cannot take (a
@@ -373,6 +379,7 @@ def parse(raw) -> tuple[VaseConfig, dict]:
     max_budget = options.pop("max_budget", None)
     min_budget = options.pop("min_budget", None)
     allow_full = _as_bool(options.pop("allow_full", False), "allow_full")
+    prefill_first = _as_bool(options.pop("prefill_first", True), "prefill_first")
     sizes = {k: options.pop(k) for k in SIZE_KEYS if k in options}
     if "compress_prompt" in sizes:
         sizes["compress_prompt"] = _as_bool(sizes["compress_prompt"], "compress_prompt")
@@ -400,7 +407,12 @@ def parse(raw) -> tuple[VaseConfig, dict]:
             config.with_budget(min_budget)
         except ValueError as exc:
             raise VaseConfigError(f"vase: min_budget {min_budget}: {exc}") from None
-    engine = {"admission": admission, "max_budget": max_budget, "allow_full": allow_full}
+    engine = {
+        "admission": admission,
+        "max_budget": max_budget,
+        "allow_full": allow_full,
+        "prefill_first": prefill_first,
+    }
     if min_budget is not None:
         engine["min_budget"] = min_budget
     return config, engine

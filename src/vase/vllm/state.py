@@ -103,7 +103,8 @@ class PagedStep:
     the kernel attends them over a scratch cache, :class:`vase.vllm.compact.DenseSplit`); ``positions`` ``[T]``
     logical. ``ring``: where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the
     token of each. ``deferred``: the layers whose evicting rows are compacted after the step, all layers together
-    (:func:`vase.vllm.compact.evict_deferred`, at the start of the next step: :meth:`WorkerState.flush`).
+    (:func:`vase.vllm.compact.evict_deferred`, at the start of the next step that schedules one of its rows:
+    :meth:`WorkerState.flush`); ``gone``: the requests finished, aborted or preempted since (their rows are skipped).
     """
 
     schedule: StepSchedule
@@ -126,6 +127,11 @@ class PagedStep:
     ring_tok: torch.Tensor | None = None
     cache: dict = field(default_factory=dict)  # tensors shared by the layers of this step (built on first use)
     deferred: list = field(default_factory=list)  # the layers whose rows evict after the step
+    gone: set = field(default_factory=set)  # requests finished, aborted or preempted while its evictions wait
+
+    def evicting_ids(self) -> set:
+        """The request ids of the rows this step evicts."""
+        return {self.req_ids[i] for i in self.schedule.evict}
 
 
 class WorkerState:
@@ -152,7 +158,7 @@ class WorkerState:
         self.dims: tuple | None = None
         self.seq: Sequences | None = None
         self.plan: PagedStep | None = None
-        self.pending: PagedStep | None = None  # the last step, while its deferred evictions wait (flush)
+        self.pending: list[PagedStep] = []  # committed steps whose deferred evictions wait (flush), oldest first
         self.stats = {
             "steps": 0,
             "admitted": 0,
@@ -162,6 +168,7 @@ class WorkerState:
             "dense_rows": 0,
             "compressed_at_prefill": 0,
             "shrunk": 0,
+            "flushes_waited": 0,
             "max_fill": 0,
             "max_blocks_per_row": 0,
             "t_plan": 0.0,
@@ -276,17 +283,32 @@ class WorkerState:
         return self.seq.schedule.limit(self.row_of[req_id])
 
     # ---------------------------------------------------------------------------------------------- commit
-    def flush(self, skip=frozenset()) -> None:
-        """Run the evictions the last committed step deferred (:func:`vase.vllm.compact.evict_deferred`), leaving out
-        the requests in ``skip`` (finished, aborted or preempted since); the worker calls it at the start of each step,
-        before the step's plan, and before its counters are read."""
+    def flush(self, skip=frozenset(), touched=None) -> None:
+        """Run the evictions the committed steps deferred (:func:`vase.vllm.compact.evict_deferred`), oldest step
+        first, leaving out the requests in ``skip`` (finished, aborted or preempted since); the worker calls it at the
+        start of each step, before the step's plan, and before its counters are read.
+
+        ``touched``: the request ids the coming step schedules or changes (None: every request). When none of the
+        waiting evictions' requests is among them, the evictions wait on (the step reads and writes none of their
+        rows, blocks or tables) and ``skip`` is remembered for them: a request that sat out a step
+        (``prefill_first``) is compressed at the start of the step that schedules it."""
         from .compact import evict_deferred  # compact reads this module's types
 
-        p, self.pending = self.pending, None
-        if p is not None and p.deferred:
-            t = time.perf_counter()
-            evict_deferred(self, p, skip)
-            self.stats["t_evict"] += time.perf_counter() - t
+        if not self.pending:
+            return
+        for p in self.pending:
+            p.gone.update(skip)
+        self.pending = [p for p in self.pending if p.evicting_ids() - p.gone]  # every row gone: nothing to run
+        if not self.pending:
+            return
+        if touched is not None and not any((p.evicting_ids() - p.gone) & set(touched) for p in self.pending):
+            self.stats["flushes_waited"] += 1
+            return
+        pending, self.pending = self.pending, []
+        t = time.perf_counter()
+        for p in pending:
+            evict_deferred(self, p, p.gone)
+        self.stats["t_evict"] += time.perf_counter() - t
 
     def commit(self) -> None:
         """After a step's forward: the sequence model moves on (fills, eviction counts, ring pointers, limits); the
@@ -297,7 +319,7 @@ class WorkerState:
             return
         self.plan = None
         if p.deferred:
-            self.pending = p
+            self.pending.append(p)
         self.seq.commit(p.schedule, p.ring)
         st = self.stats
         n_ev = int(p.evict.sum())

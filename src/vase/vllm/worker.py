@@ -14,8 +14,8 @@ which overrides four methods of vLLM's V1 runner (``v1/worker/gpu_model_runner.p
   step's plan: each row's physical fill before and after, who evicts, who does not fit, the physical slot of every
   new token, the kernel's physical ``seq_lens``, which queries go to the ring;
 * ``execute_model``: the plan is committed once the forward has run; the evictions its layers deferred run at the
-  start of the next step (:meth:`vase.vllm.state.WorkerState.flush`), once the step's tokens have been sampled and
-  sent.
+  start of the next step that schedules (or changes the budget of) one of their requests
+  (:meth:`vase.vllm.state.WorkerState.flush`), once the step's tokens have been sampled and sent.
 """
 
 from __future__ import annotations
@@ -167,7 +167,9 @@ class VaseCPUModelRunner(CPUModelRunner):
         try:
             # the previous step's evictions, now that its tokens have left the engine (rows released unread skipped)
             gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-            self.vase_state.flush(gone)
+            touched = set(scheduler_output.num_scheduled_tokens)
+            touched.update(getattr(scheduler_output, "vase_budgets", None) or ())
+            self.vase_state.flush(gone, touched)
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self.vase_state.stats["t_step"] += time.perf_counter() - t

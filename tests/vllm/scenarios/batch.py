@@ -3,7 +3,8 @@ steps; the seed from ``SamplingParams.seed`` when ``vase_seed`` is not given; pa
 logprobs): each child against a single request with the child's seeds; chunked prefill (per-chunk compression).
 
 Job: ``{"model", "prompts": [[ids]] (the first is the request watched), "max_tokens", "vase": engine_args kwargs,
-"join_steps": [step at which each other prompt joins]}``.
+"join_steps": [step at which each other prompt joins], "prefill_first": [[ids, vase_seed], [ids, vase_seed]] (a prompt
+compressed at prefill, then one that arrives a step later)}``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,50 @@ if __name__ == "__main__":
         step += 1
     result["in_batch"] = done["watched"]
     result["batch_stats"] = common.stats(llm)
+
+    # prefill_first: the first request's prompt is compressed at prefill; the second arrives after that step, so the
+    # first sits out its first decode step while the second is prefilled (its compression waits for its next step)
+    (first, first_seed), (second, second_seed) = spec["prefill_first"]
+    before = common.stats(llm)
+    eng.add_request("first", common.tokens_prompt(first), common.params(n, extra_args={"vase_seed": first_seed}))
+    counts, done = [], {}
+    while eng.has_unfinished_requests():
+        if len(counts) == 1:
+            eng.add_request(
+                "second", common.tokens_prompt(second), common.params(n, extra_args={"vase_seed": second_seed})
+            )
+        seen = {}
+        for o in eng.step():
+            seen[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        counts.append(seen)
+    result["prefill_first"] = {"outputs": done, "counts": counts[:4], "before": before, "after": common.stats(llm)}
+    # the same, the first aborted while it waits: its compression never runs, nothing of it stays held
+    from vase.vllm import state
+
+    eng.add_request("held", common.tokens_prompt(first), common.params(n, extra_args={"vase_seed": first_seed}))
+    eng.step()
+    eng.add_request("next", common.tokens_prompt(second), common.params(n, extra_args={"vase_seed": second_seed}))
+    eng.step()
+    def held():  # the engine's own id of a request is the given one plus a suffix
+        return sum(any(r.startswith("held") for r in p.evicting_ids()) for p in state.ACTIVE.pending)
+
+    waiting = held()
+    eng.abort_request(["held"])
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    pool = common.scheduler(llm).kv_cache_manager.block_pool
+    result["prefill_first"]["aborted"] = {
+        "waiting": waiting,
+        "left": held(),
+        "outputs": done,
+        "free_blocks": pool.get_num_free_blocks(),
+        "pool_blocks": pool.num_gpu_blocks - 1,
+    }
 
     # parallel sampling: child i draws with sampling seed 21 + i (vLLM's rule) and eviction seed 7 + i (vase's)
     def sampled(**kw):
