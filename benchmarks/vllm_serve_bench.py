@@ -15,7 +15,9 @@ API server and client on the other, the split vLLM's CPU build makes by default;
 Prompts: reasoning problems (``--task``, default MATH-500, in the harness's template) with the model's chat template;
 each workload takes its own slice of problems, so that no prefix cache serves one workload's prompts to the next.
 ``--system-prompt N``: every request also starts with one shared system message of about ``N`` tokens (the case
-prefix caching exists for). Without ../shared/data, built-in questions are used (and said).
+prefix caching exists for). ``--warmup N``: each server first serves a burst of ``N`` other problems (16 tokens each,
+not measured), as a server in service has: a fresh process's first long prefill steps also pay for touching its
+memory. Without ../shared/data, built-in questions are used (and said).
 
 Results: ``OUT/results.json`` (per workload and engine: the client's metrics; from the server's ``/metrics``, the
 change of preemptions, prefix-cache queries and hits, and vase's evictions and budget shrinks), written after each
@@ -204,6 +206,20 @@ def _client(args, server: Server, dataset: Path, rate: str, out: Path, tag: str)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _warm_up(args, servers: list[Server], index: int, out: Path) -> None:
+    """A burst of ``--warmup`` prompts (a slice of their own, after every workload's) with 16 output tokens each, on
+    every server, not measured: the first long prefill steps of a fresh server process touch its memory for the first
+    time (seconds of page faults on this machine), which a server in service has long paid."""
+    warm = argparse.Namespace(**{**vars(args), "prompts": args.warmup, "gen": 16})
+    dataset = out / "prompts-warmup.jsonl"
+    _dataset(warm, dataset, offset=index * args.prompts)
+    clients = [(s, _client(warm, s, dataset, "inf", out, "warmup")) for s in servers]
+    for s, c in clients:
+        if c.wait() != 0:
+            raise RuntimeError(f"warm-up client of {s.name} failed: see {out}/client-warmup-{s.name}.log")
+    print(f"[bench] warmed up: {args.warmup} prompts", flush=True)
+
+
 def _run_workload(args, servers: list[Server], workload: str, index: int, out: Path) -> dict:
     tag = workload.replace(":", "-")
     dataset = out / f"prompts-{tag}.jsonl"
@@ -271,6 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="threads per server")
     ap.add_argument("--cores", default="0,1", help="cores, one per engine, in order (side by side)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="each server first serves a burst of this many other prompts (16 tokens each, not "
+                    "measured): a server that has served before, as in production")  # fmt: skip
     ap.add_argument("--sequential", action="store_true",
                     help="one server at a time, on every core (the front end gets a core of its own)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -292,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
             for s in servers:
                 s.wait()
             print(f"[bench] servers up: {', '.join(s.name for s in servers)}", flush=True)
+            if args.warmup:
+                _warm_up(args, servers, len(args.workloads), args.out)
             for i, w in todo:
                 row = _run_workload(args, servers, w, i, args.out)
                 old = next((r for r in results["workloads"] if r["workload"] == w), None)
