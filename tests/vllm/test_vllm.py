@@ -538,10 +538,10 @@ def test_sampled_request_unchanged_by_the_batch(runs):
 
 
 @needs_vllm
-def test_prefill_first_defers_a_compressed_prompts_first_decode(runs, hf_refs):
-    """``prefill_first`` (the default): a request whose prompt was compressed at prefill sits out its first decode step
-    when that step prefills a prompt that arrived meanwhile, and its compression waits until the step that schedules
-    it; both requests' tokens are still vase on transformers'."""
+def test_prefill_first_defers_a_new_requests_first_decode(runs, hf_refs):
+    """``prefill_first`` (the default): a request whose prefill just ended sits out its first decode step when that
+    step prefills a prompt that arrived meanwhile, and a compressed prompt's compression waits until the step that
+    schedules it; both requests' tokens are still vase on transformers'. Then the same with a prompt not compressed."""
     res = _result(runs, "batch")["prefill_first"]
     assert res["outputs"]["first"] == hf_refs["vase"][2][0]
     assert res["outputs"]["second"] == hf_refs["vase"][0][0]
@@ -556,6 +556,14 @@ def test_prefill_first_defers_a_compressed_prompts_first_decode(runs, hf_refs):
     assert aborted["waiting"] == 1 and aborted["left"] == 0
     assert aborted["outputs"]["next"] == hf_refs["vase"][0][0]
     assert aborted["free_blocks"] == aborted["pool_blocks"]
+    # a prompt that fits its cap: held back alike, nothing compressed, nothing waiting to be flushed
+    plain = res["plain"]
+    assert plain["outputs"]["plain"] == hf_refs["vase"][0][0]
+    assert plain["outputs"]["late"] == hf_refs["vase"][2][0]
+    assert plain["counts"][:3] == [{"plain": 1}, {"late": 1}, {"plain": 2, "late": 2}], plain["counts"]
+    before, after = plain["before"], plain["after"]
+    assert after["scheduler"]["held_back"] - before["scheduler"]["held_back"] == 1
+    assert after["worker"]["compressed_at_prefill"] - before["worker"]["compressed_at_prefill"] == 1  # the late one
 
 
 @needs_vllm

@@ -80,9 +80,9 @@ def engine_args(
         max_budget: the largest budget a request may ask for with ``extra_args={"vase_budget": b}`` (default: the
             budget; the per-slot tables are sized for it).
         allow_full: whether a request may ask for the full cache (``{"vase_budget": "full"}``).
-        prefill_first: a request whose prompt was compressed at prefill sits out its first decode step when that step
-            admits new prompts, so that their first token does not wait for its compression (default; False: it
-            decodes at once, as vLLM schedules).
+        prefill_first: a request whose prefill has just ended sits out its first decode step when that step admits
+            new prompts, so that their first token waits neither for its decode nor for its prompt's compression
+            (default; False: it decodes at once, as vLLM schedules).
         prefix_caching: vLLM's prefix caching (None: on for a policy that keeps the prompt dense, as vLLM's default,
             off for one that compresses prompts at prefill, which cannot share them).
         block_size: tokens per KV block, a multiple of 32 (the CPU kernel's rule).

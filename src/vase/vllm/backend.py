@@ -6,8 +6,8 @@ Subclasses of vLLM's classes (``v1/attention/backends/cpu_attn.py``), each calli
 * :class:`VaseCPUAttentionMetadataBuilder`: when the worker made a plan for the step, the metadata of a
   full-attention KV cache group gets the plan's physical ``seq_lens``, that group's slot mapping and block table, so
   vLLM's kernel scheduler metadata is computed from physical lengths; logical positions (RoPE) are untouched. A step
-  with dense rows (entries that do not fit in their blocks) gets two: the other rows' over the paged cache and the
-  dense rows' over a scratch cache (:class:`vase.vllm.compact.DenseSplit`). Without a plan (vase not configured,
+  with dense rows (entries that do not fit in their blocks) gets one per run of adjacent rows of one kind: the other
+  rows' over the paged cache, the dense rows' over a scratch cache (:class:`vase.vllm.compact.DenseSplit`). Without a plan (vase not configured,
   dummy and profiling runs) and for sliding-window groups (vLLM bounds them itself) it is the stock builder.
 * :class:`VaseCPUAttentionImpl`: writes the step's new keys and values at the plan's physical slots (the backend
   sets ``forward_includes_kv_cache_update``, so vLLM's layer does not write them at logical slots), runs vLLM's kernel
@@ -99,12 +99,15 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         )
         if plan.dense.any():
             # dense rows do not fit in their blocks: the kernel attends them over a scratch cache of their own
-            # (vase.vllm.compact.DenseSplit), the other rows over the paged cache, in two calls
+            # (vase.vllm.compact.DenseSplit), the other rows over the paged cache, a call per run of adjacent rows
+            # of one kind over views of the step's queries and output
             split = compact.split_dense(plan, self.block_size)
-            dense_md = super().build(0, _scratch_metadata(cm, split), fast_build)
-            paged = _subset(cm, split.paged, split.paged_qsl)
-            md = dense_md if paged is None else super().build(common_prefix_len, paged, fast_build)
-            md.vase_split, md.vase_dense = split, dense_md
+            runs = []
+            for run in split.runs:
+                sub = _scratch_metadata(cm, split, run) if run.dense else _subset(cm, run)
+                runs.append((run, super().build(0 if run.dense else common_prefix_len, sub, fast_build)))
+            md = runs[0][1]
+            md.vase_split, md.vase_runs = split, runs
         else:
             md = super().build(common_prefix_len, cm, fast_build)
         md.vase_plan = plan
@@ -148,14 +151,14 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
             # the slots are the plan's physical ones with vase, the runner's otherwise (stock behaviour)
             slots = attn_metadata.slot_mapping if plan is None else attn_metadata.vase_slots
             self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slots)
-        split = getattr(attn_metadata, "vase_split", None)
-        if split is None:
+        runs = getattr(attn_metadata, "vase_runs", None)
+        if runs is None:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-        elif split.paged.numel():  # the rows that fit in their blocks, packed: the kernel over the paged cache
-            tok = split.paged_tok
-            out = output.new_empty((tok.numel(), *output.shape[1:]))
-            super().forward(layer, query.index_select(0, tok), None, None, kv_cache, attn_metadata, out)
-            output.index_copy_(0, tok, out)
+        else:  # the runs of rows that fit in their blocks: the kernel over the paged cache (dense runs: after)
+            for run, run_md in runs:
+                if not run.dense:
+                    o = output[run.a : run.b]
+                    super().forward(layer, query[run.a : run.b], None, None, kv_cache, run_md, o)
         if plan is not None:
             t = time.perf_counter()
             self._after_attention(layer, query[:n], key[:n], value[:n], kv_cache, plan, attn_metadata, output)
@@ -187,36 +190,38 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         CPUAttentionBackendImpl.forward(self, layer, query, None, None, scratch, md, output)
 
 
-def _subset(cm, rows: torch.Tensor, qsl: torch.Tensor):
-    """``cm`` restricted to the batch rows ``rows`` (their tokens packed in order; ``qsl`` their query start
-    locations), for the kernel's call over the paged cache."""
-    if rows.numel() == 0:
-        return None
-    seq_lens = cm.seq_lens[rows]
+def _subset(cm, run):
+    """``cm`` restricted to the adjacent batch rows of ``run`` (:class:`vase.vllm.compact.Run`), their query start
+    locations from 0, for the kernel's call over the paged cache on the step's tokens ``[run.a, run.b)``."""
+    qsl = cm.query_start_loc_cpu[run.r0 : run.r1 + 1] - run.a
+    seq_lens = cm.seq_lens[run.r0 : run.r1]
     return dataclasses.replace(
         cm,
-        num_reqs=int(rows.numel()),
-        num_actual_tokens=int(qsl[-1]),
+        num_reqs=run.r1 - run.r0,
+        num_actual_tokens=run.b - run.a,
         max_query_len=int((qsl[1:] - qsl[:-1]).max()),
         max_seq_len=int(seq_lens.max()),
         query_start_loc=qsl,
         query_start_loc_cpu=qsl,
         seq_lens=seq_lens,
-        block_table_tensor=cm.block_table_tensor[rows],
+        block_table_tensor=cm.block_table_tensor[run.r0 : run.r1],
     )
 
 
-def _scratch_metadata(cm, split):
-    """The dense rows' metadata over their scratch cache (:class:`vase.vllm.compact.DenseSplit`)."""
+def _scratch_metadata(cm, split, run):
+    """The metadata of the dense rows of ``run`` (places ``[run.j0, run.j1)`` of ``split.rows``) over the step's
+    scratch cache (:class:`vase.vllm.compact.DenseSplit`)."""
+    j0, j1 = run.j0, run.j1
+    qsl = split.qsl[j0 : j1 + 1] - split.qsl[j0]
     return dataclasses.replace(
         cm,
-        num_reqs=len(split.rows),
-        num_actual_tokens=int(split.qsl[-1]),
-        max_query_len=int((split.qsl[1:] - split.qsl[:-1]).max()),
-        max_seq_len=int(split.seq_lens.max()),
-        query_start_loc=split.qsl,
-        query_start_loc_cpu=split.qsl,
-        seq_lens=split.seq_lens,
-        block_table_tensor=split.block_table,
+        num_reqs=j1 - j0,
+        num_actual_tokens=run.b - run.a,
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(split.seq_lens[j0:j1].max()),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=split.seq_lens[j0:j1],
+        block_table_tensor=split.block_table[j0:j1],
         slot_mapping=split.slots,
     )

@@ -7,11 +7,11 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
 1. the step's saved post-RoPE queries go to the sequence model's query ring;
 2. the *dense* rows (their entries do not fit in their capped blocks: a prompt longer than the cap, or a chunk of
    one) are attended by vLLM's kernel over a scratch cache holding their held entries and their new ones (causal,
-   at their offset; the paged call left them out, :class:`DenseSplit`), so that every row's attention is the
+   at their offset; the paged calls leave them out, :class:`DenseSplit`), so that every row's attention is the
    kernel's and none is computed twice;
 3. the evicting rows are compacted after the step, every layer together (:func:`evict_deferred`, run by the worker
    at the start of the next step that schedules one of them, once the step's tokens have been sampled and sent; a
-   request compressed at prefill may sit out one step, ``prefill_first``): rows that fit in their blocks
+   request just prefilled may sit out one step, ``prefill_first``): rows that fit in their blocks
    gathered from each layer's paged cache, dense rows from their entries of each layer's dense pass (held until
    then, within :data:`DEFER_BYTES`; past it they are compacted in their layer). The sequence model chooses
    ``budget`` per KV head (:meth:`vase.core.sequence.Sequences.evict_layers`, layers stacked into few calls),
@@ -48,18 +48,16 @@ def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> 
 class DenseSplit:
     """A step with dense rows, split for vLLM's kernel (built once per step by the metadata builder).
 
-    The rows that fit in their blocks (``paged`` ``[P]`` batch rows; ``paged_tok`` their tokens, ``paged_qsl``
-    ``[P+1]`` int32 their query start locations once packed) are attended over the paged cache; the dense ones
-    (``rows``, ``dense_tok`` their tokens) over a scratch cache of ``blocks`` blocks holding each one's held entries
-    then its new tokens from a block boundary: ``qsl`` ``[D+1]`` and ``seq_lens`` ``[D]`` int32 (held + new),
-    ``block_table`` ``[D, nb]`` int32 scratch block ids, ``slots`` ``[sum seq_lens]`` int64 the scratch slot of each
-    held and new entry, row after row."""
+    The batch is cut into ``runs`` of adjacent rows of one kind, each attended by its own kernel call over views of
+    the step's queries and output (tokens ``[a, b)``: no query is copied out nor any output copied back): a run of
+    rows that fit in their blocks over the paged cache, a run of dense rows over a scratch cache of ``blocks`` blocks
+    holding each dense row's held entries then its new tokens from a block boundary. The dense rows, ``rows``, in
+    batch order: ``qsl`` ``[D+1]`` and ``seq_lens`` ``[D]`` int32 (held + new), ``block_table`` ``[D, nb]`` int32
+    scratch block ids, ``slots`` ``[sum seq_lens]`` int64 the scratch slot of each held and new entry, row after row.
+    """
 
     rows: list[int]
-    paged: torch.Tensor
-    paged_tok: torch.Tensor
-    paged_qsl: torch.Tensor
-    dense_tok: torch.Tensor
+    runs: list[Run]
     qsl: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -67,28 +65,42 @@ class DenseSplit:
     blocks: int
 
 
+@dataclass
+class Run:
+    """Adjacent batch rows ``[r0, r1)`` of one kind (``dense`` or not), their tokens ``[a, b)`` in the step; for a
+    dense run, ``[j0, j1)`` its rows' places in :attr:`DenseSplit.rows`."""
+
+    dense: bool
+    r0: int
+    r1: int
+    a: int
+    b: int
+    j0: int = 0
+    j1: int = 0
+
+
 def split_dense(plan: PagedStep, block_size: int) -> DenseSplit:
     """The :class:`DenseSplit` of a step with dense rows."""
     dense = plan.dense
     rows = np.nonzero(dense)[0]
-    paged = np.nonzero(~dense)[0]
-    tok_row = np.repeat(np.arange(len(plan.n)), plan.n)
     lengths = plan.fill_before[rows] + plan.n[rows]
     nb = -(-lengths // block_size)
     first = np.concatenate([[0], np.cumsum(nb)[:-1]])
     table = first[:, None] + np.arange(nb.max())[None, :]
     slots = np.concatenate([f * block_size + np.arange(s) for f, s in zip(first, lengths)])
-
-    def starts(counts):
-        return torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-
+    cuts = [0, *(np.nonzero(dense[1:] != dense[:-1])[0] + 1).tolist(), len(dense)]
+    runs, j = [], 0
+    for r0, r1 in zip(cuts[:-1], cuts[1:]):
+        run = Run(bool(dense[r0]), r0, r1, int(plan.qsl[r0]), int(plan.qsl[r1]))
+        if run.dense:
+            run.j0, run.j1 = j, j + r1 - r0
+            j = run.j1
+        if run.b > run.a:
+            runs.append(run)
     return DenseSplit(
         rows=rows.tolist(),
-        paged=torch.from_numpy(paged),
-        paged_tok=torch.from_numpy(np.nonzero(~dense[tok_row])[0]),
-        paged_qsl=starts(plan.n[paged]),
-        dense_tok=torch.from_numpy(np.nonzero(dense[tok_row])[0]),
-        qsl=starts(plan.n[rows]),
+        runs=runs,
+        qsl=torch.from_numpy(np.concatenate([[0], np.cumsum(plan.n[rows])]).astype(np.int32)),
         seq_lens=torch.from_numpy(lengths.astype(np.int32)),
         block_table=torch.from_numpy(table.astype(np.int32)),
         slots=torch.from_numpy(slots.astype(np.int64)),
@@ -102,10 +114,10 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
     the eviction that follows.
 
     The held entries (gathered from the row's blocks) and the new tokens go to a scratch cache in vLLM's layout
-    (``split``: :class:`DenseSplit`), over which vLLM's kernel attends the row's queries (``md.vase_dense``):
-    the new tokens attend causally at their offset (query ``i`` sees the held entries and new tokens ``<= i``), as
-    transformers' attention over the cache and the new tokens does before vase compresses them, and learned sinks
-    (gpt-oss) are the kernel's, as for every other row.
+    (``split``: :class:`DenseSplit`), over which vLLM's kernel attends the row's queries (a call per run of dense
+    rows, ``md.vase_runs``, on views of ``q`` and ``output``): the new tokens attend causally at their offset (query
+    ``i`` sees the held entries and new tokens ``<= i``), as transformers' attention over the cache and the new tokens
+    does before vase compresses them, and learned sinks (gpt-oss) are the kernel's, as for every other row.
     """
     h = k.shape[1]
     out, kt, vt = {}, [], []
@@ -128,10 +140,9 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
     _, _, bs, d2 = kv_cache.shape
     scratch = kv_cache.new_zeros((split.blocks, h, bs, d2))
     impl.do_kv_cache_update(layer, torch.cat(kt).contiguous(), torch.cat(vt).contiguous(), scratch, split.slots)
-    tok = split.dense_tok
-    o = output.new_empty((tok.numel(), *output.shape[1:]))
-    impl.attend_scratch(layer, q.index_select(0, tok), scratch, md.vase_dense, o)
-    output.index_copy_(0, tok, o)
+    for run, run_md in md.vase_runs:
+        if run.dense:
+            impl.attend_scratch(layer, q[run.a : run.b], scratch, run_md, output[run.a : run.b])
     return out
 
 

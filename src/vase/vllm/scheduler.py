@@ -19,11 +19,12 @@ stop conditions); only the blocks follow the physical bound ``budget + buffer``.
   the blocks of its own budget (its cap, or fewer if its prompt + ``max_tokens`` need fewer) when it is admitted, and
   waits until they are free. Neither is ever preempted for memory. ``grow``: blocks are added as the request grows, up
   to its cap, as vLLM does (vLLM preempts when the pool runs out).
-* ``prefill_first`` (default): a request whose prompt was compressed at prefill sits out its first decode step when
-  that step admits new prompts (vLLM's ``Request.next_decode_eligible_step``, as its own schedulers use it). Its
-  compression is deferred by the worker to the start of the next step that schedules it
-  (:meth:`vase.vllm.state.WorkerState.flush`), so the prompts admitted behind it are prefilled first and their first
-  token does not wait for it; the request decodes one step later. At most once per request.
+* ``prefill_first`` (default): a request whose prefill has just ended sits out its first decode step when that step
+  admits new prompts (vLLM's ``Request.next_decode_eligible_step``, as its own schedulers use it), so that the step
+  carries the waiting prompts' prefill and none of the new requests' decodes; a prompt compressed at prefill then has
+  its compression deferred by the worker to the start of the next step that schedules it
+  (:meth:`vase.vllm.state.WorkerState.flush`), so the prompts admitted behind it do not wait for it either. The
+  request decodes one step later; at most once per request.
 * The worker hears each request's budget from the scheduler: ``SchedulerOutput.vase_budgets`` (request id -> budget,
   or ``"full"``) names the budget of every request scheduled for the first time and of every request shrunk in this
   step (the step's output reaches the worker before the step runs).
@@ -358,18 +359,14 @@ class VaseScheduler(Scheduler):
         return (cut, most, *rest)
 
     def _vase_hold_back(self) -> None:
-        """``prefill_first``: the requests whose prompt was compressed in the last step (their first token out, their
-        compression deferred by the worker) sit out this step, which admits new prompts; once per request."""
-        s = self.vase
+        """``prefill_first``: the requests whose prefill ended in the last step (their first token out; a compressed
+        prompt's compression deferred by the worker) sit out this step, which admits new prompts; once per request."""
         for r in self.running:
             rid = r.request_id
-            req = self._vase_reqs.get(rid)
-            if req is None or req.budget is None or rid in self._vase_held:
+            if rid not in self._vase_reqs or rid in self._vase_held:
                 continue
             if r.num_output_tokens != 1 or r.num_computed_tokens != r.num_prompt_tokens:
                 continue  # not right after its prefill
-            if r.num_prompt_tokens < s.first_eviction(r.num_prompt_tokens, req.budget):
-                continue  # its prompt was not compressed: nothing waits
             # schedule() advances current_step before it checks eligibility: + 2 skips this step alone
             r.next_decode_eligible_step = max(r.next_decode_eligible_step, self.current_step + 2)
             self._vase_held.add(rid)

@@ -18,9 +18,9 @@ its budget when it is admitted, and waits until they are free; ``"grow"``: block
 cap, as vLLM does, so vLLM preempts when the pool runs out), ``min_budget`` (the floor of elastic budgets, tokens;
 default: the budget's quarter, rounded up to a budget that fills whole blocks), and the limits of per-request budgets:
 ``max_budget`` (the largest budget a request may ask for, tokens; default: the budget), ``allow_full`` (whether a
-request may ask for the full cache; default false) and ``prefill_first`` (default true: a request whose prompt was
-compressed at prefill sits out its first decode step when that step admits new prompts, so that their first token does
-not wait for the compression; :class:`vase.vllm.scheduler.VaseScheduler`).
+request may ask for the full cache; default false) and ``prefill_first`` (default true: a request whose prefill has just
+ended sits out its first decode step when that step admits new prompts, so that their first token waits neither for
+its decode nor for its prompt's compression; :class:`vase.vllm.scheduler.VaseScheduler`).
 
 **Per-request fields** (``SamplingParams.extra_args``, the OpenAI server's ``vllm_xargs``; :func:`check_fields`):
 ``vase_seed`` (the seed of the request's sampled eviction) and ``vase_budget`` (the request's own budget, an integer
@@ -134,8 +134,8 @@ class EngineSettings:
         min_budget: the floor of elastic budgets (None: :attr:`floor`'s default).
         max_budget: the largest budget a request may ask for (``vase_budget``; None: the budget).
         allow_full: whether a request may ask for the full cache (``vase_budget="full"``).
-        prefill_first: a request whose prompt was compressed at prefill sits out its first decode step when that step
-            admits new prompts (its compression then runs after their prefill, not before it).
+        prefill_first: a request whose prefill has just ended sits out its first decode step when that step admits
+            new prompts (its decode, and its prompt's compression, then run after their prefill, not before it).
         prefix_caching: the engine shares prompt blocks between requests (vLLM's prefix caching; a policy that keeps
             the prompt dense only): a request's full prompt blocks are never rewritten, its compaction writes to the
             blocks after them (:meth:`front_blocks`).

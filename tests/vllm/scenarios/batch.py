@@ -48,22 +48,31 @@ if __name__ == "__main__":
 
     # prefill_first: the first request's prompt is compressed at prefill; the second arrives after that step, so the
     # first sits out its first decode step while the second is prefilled (its compression waits for its next step)
-    (first, first_seed), (second, second_seed) = spec["prefill_first"]
-    before = common.stats(llm)
-    eng.add_request("first", common.tokens_prompt(first), common.params(n, extra_args={"vase_seed": first_seed}))
-    counts, done = [], {}
-    while eng.has_unfinished_requests():
-        if len(counts) == 1:
-            eng.add_request(
-                "second", common.tokens_prompt(second), common.params(n, extra_args={"vase_seed": second_seed})
-            )
-        seen = {}
-        for o in eng.step():
-            seen[o.request_id] = len(o.outputs[0].token_ids)
-            if o.finished:
-                done[o.request_id] = list(o.outputs[0].token_ids)
-        counts.append(seen)
-    result["prefill_first"] = {"outputs": done, "counts": counts[:4], "before": before, "after": common.stats(llm)}
+    def one_step_apart(names, first, second):
+        """Requests ``names`` (prompt ids, vase_seed) ``first`` then ``second`` one step later; tokens produced per
+        step by each (the first four steps), outputs, counters before and after."""
+        before = common.stats(llm)
+        eng.add_request(names[0], common.tokens_prompt(first[0]), common.params(n, extra_args={"vase_seed": first[1]}))
+        counts, done = [], {}
+        while eng.has_unfinished_requests():
+            if len(counts) == 1:
+                eng.add_request(
+                    names[1], common.tokens_prompt(second[0]), common.params(n, extra_args={"vase_seed": second[1]})
+                )
+            seen = {}
+            for o in eng.step():
+                seen[o.request_id] = len(o.outputs[0].token_ids)
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+            counts.append(seen)
+        return {"outputs": done, "counts": counts[:4], "before": before, "after": common.stats(llm)}
+
+    compressed, plain = spec["prefill_first"]
+    result["prefill_first"] = one_step_apart(["first", "second"], compressed, plain)
+    # a prompt not compressed sits out its first decode step alike (the step carries the new prompt's prefill only)
+    result["prefill_first"]["plain"] = one_step_apart(["plain", "late"], plain, compressed)
+    first, second = compressed[0], plain[0]
+    first_seed, second_seed = compressed[1], plain[1]
     # the same, the first aborted while it waits: its compression never runs, nothing of it stays held
     from vase.vllm import state
 
@@ -71,6 +80,7 @@ if __name__ == "__main__":
     eng.step()
     eng.add_request("next", common.tokens_prompt(second), common.params(n, extra_args={"vase_seed": second_seed}))
     eng.step()
+
     def held():  # the engine's own id of a request is the given one plus a suffix
         return sum(any(r.startswith("held") for r in p.evicting_ids()) for p in state.ACTIVE.pending)
 
