@@ -7,8 +7,9 @@ Subclasses of vLLM's classes (``v1/attention/backends/cpu_attn.py``), each calli
   full-attention KV cache group gets the plan's physical ``seq_lens``, that group's slot mapping and block table, so
   vLLM's kernel scheduler metadata is computed from physical lengths; logical positions (RoPE) are untouched. A step
   with dense rows (entries that do not fit in their blocks) gets one per run of adjacent rows of one kind: the other
-  rows' over the paged cache, the dense rows' over a scratch cache (:class:`vase.vllm.compact.DenseSplit`). Without a plan (vase not configured,
-  dummy and profiling runs) and for sliding-window groups (vLLM bounds them itself) it is the stock builder.
+  rows' over the paged cache, the dense rows' over a scratch cache (:class:`vase.vllm.compact.DenseSplit`). Without
+  a plan (vase not configured, dummy and profiling runs) and for sliding-window groups (vLLM bounds them itself) it is
+  the stock builder.
 * :class:`VaseCPUAttentionImpl`: writes the step's new keys and values at the plan's physical slots (the backend
   sets ``forward_includes_kv_cache_update``, so vLLM's layer does not write them at logical slots), runs vLLM's kernel
   (over the rows that fit in their blocks), then :mod:`vase.vllm.compact` (ring, dense rows, eviction). Without a

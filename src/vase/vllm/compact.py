@@ -120,26 +120,28 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
     does before vase compresses them, and learned sinks (gpt-oss) are the kernel's, as for every other row.
     """
     h = k.shape[1]
-    out, kt, vt = {}, [], []
+    _, _, bs, d2 = kv_cache.shape
+    scratch = kv_cache.new_zeros((split.blocks, h, bs, d2))  # zeros: no stale value in a block's unread tail
+    names = ws.seq.tables.state[li].keys()
+    out, start = {}, 0
     for r in split.rows:
         fb = int(plan.fill_before[r])
         a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
         n = b - a
-        rk, rv = k[a:b], v[a:b]  # token-major [S, H, D]: held entries, then the new tokens
-        if fb:
+        slots = split.slots[start : start + fb + n]  # the row's scratch slots: held entries, then the new tokens
+        start += fb + n
+        rk, rv = k[a:b], v[a:b]  # token-major [S, H, D]
+        new_pos = torch.from_numpy(plan.logical_before[r] + np.arange(n)).expand(h, n)
+        if fb:  # entries held from earlier chunks: written before the new tokens
             kh, vh = gather(kv_cache, layout.block_rows[r : r + 1], fb)
             rk, rv = torch.cat([kh[0].transpose(0, 1), rk]), torch.cat([vh[0].transpose(0, 1), rv])
-        kt.append(rk)
-        vt.append(rv)
-        keys, values = rk.transpose(0, 1), rv.transpose(0, 1)  # [H, S, D] for the eviction
-        held_pos, held_state = _held(ws, li, plan, [r], fb)
-        new_pos = torch.from_numpy(plan.logical_before[r] + np.arange(n)).expand(h, n)
-        positions = torch.cat([held_pos[0], new_pos], dim=1)
-        state = {name: torch.cat([t[0], torch.zeros(h, n)], dim=1) for name, t in held_state.items()}
-        out[r] = (keys, values, positions, state)
-    _, _, bs, d2 = kv_cache.shape
-    scratch = kv_cache.new_zeros((split.blocks, h, bs, d2))
-    impl.do_kv_cache_update(layer, torch.cat(kt).contiguous(), torch.cat(vt).contiguous(), scratch, split.slots)
+            held_pos, held_state = _held(ws, li, plan, [r], fb)
+            positions = torch.cat([held_pos[0], new_pos], dim=1)
+            state = {name: torch.cat([t[0], torch.zeros(h, n)], dim=1) for name, t in held_state.items()}
+        else:  # a prompt's first chunk: nothing held, the new tokens at their positions, state zero
+            positions, state = new_pos.contiguous(), {name: torch.zeros(h, n) for name in names}
+        impl.do_kv_cache_update(layer, rk, rv, scratch, slots)
+        out[r] = (rk.transpose(0, 1), rv.transpose(0, 1), positions, state)  # [H, S, D] for the eviction
     for run, run_md in md.vase_runs:
         if run.dense:
             impl.attend_scratch(layer, q[run.a : run.b], scratch, run_md, output[run.a : run.b])
