@@ -210,7 +210,7 @@ def _warm_up(args, servers: list[Server], index: int, out: Path) -> None:
     """A burst of ``--warmup`` prompts (a slice of their own, after every workload's) with 16 output tokens each, on
     every server, not measured: the first long prefill steps of a fresh server process touch its memory for the first
     time (seconds of page faults on this machine), which a server in service has long paid."""
-    warm = argparse.Namespace(**{**vars(args), "prompts": args.warmup, "gen": 16})
+    warm = argparse.Namespace(**{**vars(args), "prompts": args.warmup, "gen": args.warmup_gen})
     dataset = out / "prompts-warmup.jsonl"
     _dataset(warm, dataset, offset=index * args.prompts)
     clients = [(s, _client(warm, s, dataset, "inf", out, "warmup")) for s in servers]
@@ -288,8 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="threads per server")
     ap.add_argument("--cores", default="0,1", help="cores, one per engine, in order (side by side)")
     ap.add_argument("--warmup", type=int, default=0,
-                    help="each server first serves a burst of this many other prompts (16 tokens each, not "
-                    "measured): a server that has served before, as in production")  # fmt: skip
+                    help="each server first serves a burst of this many other prompts (--warmup-gen tokens each, "
+                    "not measured): a server that has served before, as in production")  # fmt: skip
+    ap.add_argument("--warmup-gen", type=int, default=16, help="output tokens per warm-up request")
     ap.add_argument("--sequential", action="store_true",
                     help="one server at a time, on every core (the front end gets a core of its own)")  # fmt: skip
     args = ap.parse_args(argv)

@@ -497,6 +497,8 @@ def test_dense_rows_evicted_in_their_layer_or_after_the_step_alike(runs):
     assert in_layer["stats"]["worker"]["compressed_at_prefill"] == 1
     assert in_layer["outputs"] == after["outputs"]
     assert in_layer["stats"]["worker"]["rows_evicted"] == after["stats"]["worker"]["rows_evicted"]
+    # held after the step in one reused buffer (vase.vllm.store); in the layer, none
+    assert after["stats"]["worker"]["held_buffers"] == 1 and in_layer["stats"]["worker"]["held_buffers"] == 0
 
 
 @needs_vllm

@@ -34,6 +34,7 @@ from ..core.evict import gather_kept
 from ..core.sequence import budget_groups
 from .paged import gather, write_front
 from .state import GroupLayout, PagedStep, WorkerState
+from .store import HeldBuffer, entry_bytes
 
 
 def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> None:
@@ -162,7 +163,8 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
 STACK_ELEMENTS = 1 << 21
 # the most bytes of dense rows' entries (keys, values, positions, state, all layers) held until their evictions run
 # after the step (with those of steps still waiting); a step over it (a long prompt in one step) evicts its dense rows
-# in each layer instead
+# in each layer instead. The buffers holding them are kept for reuse (vase.vllm.store): the worker keeps up to twice
+# the largest step's share of it
 DEFER_BYTES = 256 << 20
 
 
@@ -183,16 +185,16 @@ class DeferredLayer:
 
 def defers_dense(ws: WorkerState, plan: PagedStep) -> bool:
     """Whether the step's evicting dense rows are compacted after the step with the others (their entries of every
-    layer held until then: within :data:`DEFER_BYTES`, less what the steps still waiting hold), rather than in each
-    layer."""
+    layer held until then, in one buffer of ``ws.store``: within :data:`DEFER_BYTES`, less what the steps still
+    waiting hold), rather than in each layer."""
     if "defer_dense" not in plan.cache:
         rows = [i for i in plan.schedule.evict if plan.dense[i]]
         tokens = sum(int(plan.fill_before[r] + plan.n[r]) for r in rows)
         layers, h, _, d, dtype = ws.dims
-        per_token = h * (2 * d * dtype.itemsize + 8 + 4 * len(ws.seq.policy.state_names))
+        need = entry_bytes(tokens, len(rows), h, d, dtype.itemsize, len(ws.seq.policy.state_names), layers)
         held = sum(p.cache.get("dense_bytes", 0) for p in ws.pending)
-        plan.cache["dense_bytes"] = tokens * per_token * layers
-        plan.cache["defer_dense"] = held + plan.cache["dense_bytes"] <= DEFER_BYTES
+        plan.cache["dense_bytes"] = need
+        plan.cache["defer_dense"] = held + need <= DEFER_BYTES
         if not plan.cache["defer_dense"]:
             plan.cache["dense_bytes"] = 0
     return plan.cache["defer_dense"]
@@ -208,7 +210,11 @@ def evict_rows(
     dense_ev = [i for i in plan.schedule.evict if plan.dense[i]]
     later = defers_dense(ws, plan)
     if later or len(dense_ev) < len(plan.schedule.evict):
-        held = {r: _detached(dense[r]) for r in dense_ev} if later else {}
+        held = {}
+        if later and dense_ev:
+            if "held" not in plan.cache:  # the step's buffer, opened at its first layer (closed by WorkerState.flush)
+                plan.cache["held"] = ws.store.open(plan.cache["dense_bytes"])
+            held = {r: _held_copy(plan.cache["held"], dense[r]) for r in dense_ev}
         plan.deferred.append(DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype, held))
     if not later:
         now = DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype, dense)
@@ -216,11 +222,12 @@ def evict_rows(
             _evict_layers(ws, plan, [now], group, dense=True)
 
 
-def _detached(entry):
-    """A dense row's entries of one layer, copied out of the step's tensors (views of the whole batch's keys and
-    values, which would otherwise stay alive with them until the evictions run)."""
+def _held_copy(buf: HeldBuffer, entry):
+    """A dense row's entries of one layer copied into the step's buffer (:mod:`vase.vllm.store`): out of the step's
+    tensors (views of the whole batch's keys and values, which would otherwise stay alive until the evictions run),
+    and out of the heap between the forward's activations."""
     keys, values, positions, state = entry
-    return keys.contiguous(), values.contiguous(), positions, state
+    return buf.copy(keys), buf.copy(values), buf.copy(positions), {name: buf.copy(t) for name, t in state.items()}
 
 
 def evict_deferred(ws: WorkerState, plan: PagedStep, skip=frozenset()) -> None:

@@ -28,6 +28,7 @@ from ..core.schedule import StepSchedule
 from ..core.sequence import Sequences
 from . import metrics
 from .settings import FULL, EngineSettings, check_fields
+from .store import HeldStore
 
 # vLLM configures the loggers under "vllm" only: a child of it prints with vLLM's format, in the worker's process
 logger = logging.getLogger("vllm.plugins.vase")
@@ -159,6 +160,7 @@ class WorkerState:
         self.seq: Sequences | None = None
         self.plan: PagedStep | None = None
         self.pending: list[PagedStep] = []  # committed steps whose deferred evictions wait (flush), oldest first
+        self.store = HeldStore()  # the buffers of the dense rows' entries those steps hold
         self.stats = {
             "steps": 0,
             "admitted": 0,
@@ -298,7 +300,11 @@ class WorkerState:
             return
         for p in self.pending:
             p.gone.update(skip)
-        self.pending = [p for p in self.pending if p.evicting_ids() - p.gone]  # every row gone: nothing to run
+        waiting = [p for p in self.pending if p.evicting_ids() - p.gone]
+        for p in self.pending:
+            if not any(p is w for w in waiting):  # every row gone: nothing to run, its entries unread
+                self.store.close(p.cache.pop("held", None))
+        self.pending = waiting
         if not self.pending:
             return
         if touched is not None and not any((p.evicting_ids() - p.gone) & set(touched) for p in self.pending):
@@ -308,6 +314,7 @@ class WorkerState:
         t = time.perf_counter()
         for p in pending:
             evict_deferred(self, p, p.gone)
+            self.store.close(p.cache.pop("held", None))
         self.stats["t_evict"] += time.perf_counter() - t
 
     def commit(self) -> None:

@@ -60,8 +60,9 @@ class VaseCPUWorker(CPUWorker):
     def vase_stats(self) -> dict | None:
         """This worker's counters (``LLM.collective_rpc("vase_stats")``, one dict per worker, any executor): rows
         admitted and released, evictions, the most blocks a row held, times in seconds; ``live_rows`` (requests it
-        holds now), ``layers`` (its evicting layers), ``head_offset`` (the model's index of its first KV head); None
-        without vase."""
+        holds now), ``layers`` (its evicting layers), ``head_offset`` (the model's index of its first KV head),
+        ``held_buffers`` (buffers allocated for dense rows' entries held until their deferred eviction: reused step
+        after step, :mod:`vase.vllm.store`); None without vase."""
         ws = getattr(self.model_runner, "vase_state", None)
         if ws is None:
             return None
@@ -71,6 +72,7 @@ class VaseCPUWorker(CPUWorker):
             "live_rows": len(ws.row_of),
             "layers": len(ws.layer_index),
             "head_offset": ws.seq.head_offset if ws.seq else 0,
+            "held_buffers": ws.store.allocations,
         }
 
 
