@@ -15,14 +15,16 @@ API server and client on the other, the split vLLM's CPU build makes by default;
 Prompts: reasoning problems (``--task``, default MATH-500, in the harness's template) with the model's chat template;
 each workload takes its own slice of problems, so that no prefix cache serves one workload's prompts to the next.
 ``--system-prompt N``: every request also starts with one shared system message of about ``N`` tokens (the case
-prefix caching exists for). ``--warmup N``: each server first serves a burst of ``N`` other problems (16 tokens each,
-not measured), as a server in service has: a fresh process's first long prefill steps also pay for touching its
-memory. Without ../shared/data, built-in questions are used (and said).
+prefix caching exists for). ``--warmup N``: each server first serves a burst of ``N`` other problems
+(``--warmup-gen`` tokens each, 16 by default; not measured), as a server in service has: a fresh process's first long
+prefill steps also pay for touching its memory. Without ../shared/data, built-in questions are used (and said).
 
 Results: ``OUT/results.json`` (per workload and engine: the client's metrics; from the server's ``/metrics``, the
-change of preemptions, prefix-cache queries and hits, and vase's evictions and budget shrinks), written after each
-workload; a rerun skips the workloads already there. ``OUT/table.md`` holds the table (also printed), with each
-vase engine's ratio to the first engine.
+change of preemptions, prefix-cache queries and hits, and vase's evictions and budget shrinks; from ``/proc``, the
+server processes' minor page faults and growth of resident memory during the workload: memory taken afresh, which
+can cost seconds per prefill step on this machine's virtual memory), written after each workload; a rerun skips the
+workloads already there. ``OUT/table.md`` holds the table (also printed), with each vase engine's ratio to the first
+engine.
 
     .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/serve-own-core-1k --pool-tokens 5120 --gen 1024 \
         --prompts 24 --workloads burst poisson:0.1 poisson:0.5 --sequential \
@@ -84,6 +86,26 @@ def _metrics(port: int) -> dict[str, float]:
             name = name.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def _processes(pid: int) -> dict[str, float]:
+    """A server's processes together (API server, engine core, workers; Linux ``/proc``, empty elsewhere): minor page
+    faults so far, and resident memory now in MiB. Faults during a workload are memory the processes took afresh."""
+    try:
+        import psutil
+
+        pids = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except Exception:
+        return {}
+    faults = rss = 0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        faults += int(fields[7])  # minflt (field 10 of proc(5))
+        rss += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss (field 24)
+    return {"minor_faults": faults, "rss_mib": rss / 2**20}
 
 
 def _questions(task: str, count: int, offset: int) -> tuple[list[str], str]:
@@ -226,6 +248,7 @@ def _run_workload(args, servers: list[Server], workload: str, index: int, out: P
     info = _dataset(args, dataset, offset=index * args.prompts)
     rate = "inf" if workload == "burst" else workload.split(":", 1)[1]
     before = {s.name: _metrics(s.port) for s in servers}
+    procs = {s.name: _processes(s.proc.pid) for s in servers}
     t0 = time.time()
     clients = [(s, _client(args, s, dataset, rate, out, tag)) for s in servers]
     for s, c in clients:
@@ -237,6 +260,10 @@ def _run_workload(args, servers: list[Server], workload: str, index: int, out: P
         res = json.loads((out / f"{tag}-{s.name}.json").read_text())
         after = _metrics(s.port)
         counts = {k: after.get(m, 0.0) - before[s.name].get(m, 0.0) for k, m in COUNTERS.items()}
+        now = _processes(s.proc.pid)
+        if now and procs[s.name]:
+            counts["minor_faults"] = now["minor_faults"] - procs[s.name]["minor_faults"]
+            counts["rss_mib_growth"] = now["rss_mib"] - procs[s.name]["rss_mib"]
         keep = {k: v for k, v in res.items() if not isinstance(v, list)}
         row["engines"][s.name] = {"spec": s.spec, "client": keep, "server": counts}
     return row
@@ -245,8 +272,8 @@ def _run_workload(args, servers: list[Server], workload: str, index: int, out: P
 def _table(results: dict, first: str) -> str:
     lines = [
         "| workload | engine | out tok/s | x " + first + " | TTFT p50 s | TTFT p99 s | TPOT p50 ms | TPOT p99 ms | "
-        "preemptions | shrinks | prefix hit rate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "preemptions | shrinks | prefix hit rate | page faults k |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["workloads"]:
         base = row["engines"].get(first, {}).get("client", {}).get("output_throughput")
@@ -255,11 +282,12 @@ def _table(results: dict, first: str) -> str:
             tput = c.get("output_throughput", 0.0)
             ratio = f"{tput / base:.2f}x" if base else ""
             hits = f"{s['prefix_hits'] / s['prefix_queries']:.2f}" if s.get("prefix_queries") else ""
+            faults = f"{s['minor_faults'] / 1e3:.0f}" if "minor_faults" in s else ""
             ttft = f"{c.get('median_ttft_ms', 0) / 1e3:.2f} | {c.get('p99_ttft_ms', 0) / 1e3:.2f}"
             tpot = f"{c.get('median_tpot_ms', 0):.1f} | {c.get('p99_tpot_ms', 0):.1f}"
             lines.append(
                 f"| {row['workload']} | {name} | {tput:.1f} | {ratio} | {ttft} | {tpot} | {s['preemptions']:.0f} | "
-                f"{s['shrinks']:.0f} | {hits} |"
+                f"{s['shrinks']:.0f} | {hits} | {faults} |"
             )
     return "\n".join(lines)
 
