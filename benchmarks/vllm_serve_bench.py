@@ -229,9 +229,9 @@ def _client(args, server: Server, dataset: Path, rate: str, out: Path, tag: str)
 
 
 def _warm_up(args, servers: list[Server], index: int, out: Path) -> None:
-    """A burst of ``--warmup`` prompts (a slice of their own, after every workload's) with 16 output tokens each, on
-    every server, not measured: the first long prefill steps of a fresh server process touch its memory for the first
-    time (seconds of page faults on this machine), which a server in service has long paid."""
+    """A burst of ``--warmup`` prompts (a slice of their own, after every workload's) with ``--warmup-gen`` output
+    tokens each, on every server, not measured: the first long prefill steps of a fresh server process touch its memory
+    for the first time (seconds of page faults on this machine), which a server in service has long paid."""
     warm = argparse.Namespace(**{**vars(args), "prompts": args.warmup, "gen": args.warmup_gen})
     dataset = out / "prompts-warmup.jsonl"
     _dataset(warm, dataset, offset=index * args.prompts)

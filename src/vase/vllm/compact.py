@@ -163,8 +163,7 @@ def _held(ws: WorkerState, li: int, plan: PagedStep, batch_rows: list[int], leng
 STACK_ELEMENTS = 1 << 21
 # the most bytes of dense rows' entries (keys, values, positions, state, all layers) held until their evictions run
 # after the step (with those of steps still waiting); a step over it (a long prompt in one step) evicts its dense rows
-# in each layer instead. The buffers holding them are kept for reuse (vase.vllm.store): the worker keeps up to twice
-# the largest step's share of it
+# in each layer instead. The buffers holding them are reused from step to step (vase.vllm.store keeps the two largest)
 DEFER_BYTES = 256 << 20
 
 

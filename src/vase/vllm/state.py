@@ -300,9 +300,11 @@ class WorkerState:
             return
         for p in self.pending:
             p.gone.update(skip)
-        waiting = [p for p in self.pending if p.evicting_ids() - p.gone]
+        waiting = []
         for p in self.pending:
-            if not any(p is w for w in waiting):  # every row gone: nothing to run, its entries unread
+            if p.evicting_ids() - p.gone:
+                waiting.append(p)
+            else:  # every row gone: nothing to run, its entries unread
                 self.store.close(p.cache.pop("held", None))
         self.pending = waiting
         if not self.pending:

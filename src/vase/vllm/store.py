@@ -43,7 +43,7 @@ class HeldBuffer:
         n = t.numel() * t.element_size()
         if start + n > self.data.numel():
             self.overflow += 1
-            return t.contiguous().clone() if t.is_contiguous() else t.contiguous()
+            return t.clone(memory_format=torch.contiguous_format)
         self.used = start + n
         return self.data[start : start + n].view(t.dtype).view(t.shape).copy_(t)
 
