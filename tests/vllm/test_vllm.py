@@ -345,10 +345,13 @@ def scenarios(model_dir, prompts, prefix_prompts, tmp_path_factory):
         "exact": {"model": model, "prompts": prompts, "max_tokens": NEW, "engines": engines},
         "batch": {
             "model": model,
-            "prompts": [prompts[1], prompts[0], prompts[2], prompts[0][:20]],
+            "prompts": [prompts[1], prompts[0], prompts[2], prompts[0][:20], prompts[2], prompts[0][:20]],
             "max_tokens": NEW,
             "vase": {"policy": "vase", **vase_kw},
-            "join_steps": [0, 9, 40],
+            # the fourth joins (compressed at prefill) in the step where the first two evict, the fifth one step later:
+            # the fourth sits out that step (prefill_first), its eviction waits while theirs run
+            "join_steps": [0, 9, 40, 26, 27],
+            "waits": 4,
             "prefill_first": [[prompts[2], SEEDS[2]], [prompts[0], SEEDS[0]]],
         },
         "lifecycle": {
@@ -537,6 +540,9 @@ def test_sampled_request_unchanged_by_the_batch(runs):
     assert res["in_batch"] == res["alone"]  # others joined before, during and after it
     assert res["sampling_seed"] == res["alone"]  # SamplingParams.seed is the eviction seed without vase_seed
     assert res["batch_stats"]["worker"]["live_max"] >= 3
+    # a step's evictions run per request: the others' at the next step, the held-back one's a step later
+    assert res["batch_stats"]["worker"]["partial_flushes"] >= 1
+    assert res["waited"] == res["waited_alone"]
 
 
 @needs_vllm
@@ -589,7 +595,7 @@ def test_parallel_sampling_gives_each_child_its_own_eviction_seed(runs):
 def test_chunked_prefill_compresses_per_chunk_within_the_cap(runs):
     res = _result(runs, "batch")
     st = res["chunked_stats"]
-    assert [len(o) for o in res["chunked"]] == [NEW] * 4
+    assert [len(o) for o in res["chunked"]] == [NEW] * 6  # the batch scenario's six prompts
     assert st["scheduler"]["max_blocks_held"] <= CAP_BLOCKS and st["worker"]["max_blocks_per_row"] <= CAP_BLOCKS
     assert st["worker"]["dense_rows"] >= 2  # the long prompt's chunks did not fit and were compressed one by one
 

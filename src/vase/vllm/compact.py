@@ -10,7 +10,7 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
    at their offset; the paged calls leave them out, :class:`DenseSplit`), so that every row's attention is the
    kernel's and none is computed twice;
 3. the evicting rows are compacted after the step, every layer together (:func:`evict_deferred`, run by the worker
-   at the start of the next step that schedules one of them, once the step's tokens have been sampled and sent; a
+   for each row at the start of the next step that schedules it, once the step's tokens have been sampled and sent; a
    request just prefilled may sit out one step, ``prefill_first``): rows that fit in their blocks
    gathered from each layer's paged cache, dense rows from their entries of each layer's dense pass (held until
    then, within :data:`DEFER_BYTES`; past it they are compacted in their layer). The sequence model chooses
@@ -229,16 +229,17 @@ def _held_copy(buf: HeldBuffer, entry):
     return buf.copy(keys), buf.copy(values), buf.copy(positions), {name: buf.copy(t) for name, t in state.items()}
 
 
-def evict_deferred(ws: WorkerState, plan: PagedStep, skip=frozenset()) -> None:
-    """Compact the evicting rows every layer of ``plan``'s step deferred (:func:`evict_rows`), the layers stacked
-    into as few :meth:`vase.core.sequence.Sequences.evict_layers` calls as budgets, attention scales and
-    :data:`STACK_ELEMENTS` allow; the rows of the requests in ``skip`` (finished, aborted or preempted since: their
-    rows are released unread) are left out.
+def evict_deferred(ws: WorkerState, plan: PagedStep, requests) -> None:
+    """Compact the evicting rows of the requests ``requests`` (ids) that every layer of ``plan``'s step deferred
+    (:func:`evict_rows`), the layers stacked into as few :meth:`vase.core.sequence.Sequences.evict_layers` calls as
+    budgets, attention scales and :data:`STACK_ELEMENTS` allow. The other rows are left as they are (their evictions
+    run later, or never: finished, aborted or preempted requests are released unread); ``plan.deferred`` is kept.
 
-    The worker runs this at the start of the next step, before that step's plan reads the tables (or when its counters
-    are read): each row chooses what it would have chosen right after its layer's attention (no cache, table or saved
-    query it reads changes in between), and the step's sampled tokens leave the engine first."""
-    deferred, plan.deferred = plan.deferred, []
+    The worker runs this at the start of the next step that schedules the requests, before that step's plan reads the
+    tables (or when its counters are read): each row chooses what it would have chosen right after its layer's
+    attention (no cache, table or saved query it reads changes in between), and the step's sampled tokens leave the
+    engine first."""
+    deferred = plan.deferred
     if not deferred:
         return
     hq, window = ws.dims[2], max(ws.seq.config.window or 0, 1)
@@ -246,7 +247,7 @@ def evict_deferred(ws: WorkerState, plan: PagedStep, skip=frozenset()) -> None:
     for d in deferred:
         by_key.setdefault((ws.seq.layer_budgets[d.li], d.scale), []).append(d)
     for dense in (False, True):
-        ev = [i for i in plan.schedule.evict if plan.req_ids[i] not in skip and bool(plan.dense[i]) == dense]
+        ev = [i for i in plan.schedule.evict if plan.req_ids[i] in requests and bool(plan.dense[i]) == dense]
         if dense:
             ev = [i for i in ev if i in deferred[0].dense]  # past DEFER_BYTES they were evicted in their layer
         for group in budget_groups(plan.schedule, ev, ws.seq.schedule):

@@ -19,6 +19,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -104,8 +105,9 @@ class PagedStep:
     the kernel attends them over a scratch cache, :class:`vase.vllm.compact.DenseSplit`); ``positions`` ``[T]``
     logical. ``ring``: where the step's saved queries go (:class:`vase.core.ring.RingWrite`), ``ring_tok`` ``[N]``: the
     token of each. ``deferred``: the layers whose evicting rows are compacted after the step, all layers together
-    (:func:`vase.vllm.compact.evict_deferred`, at the start of the next step that schedules one of its rows:
-    :meth:`WorkerState.flush`); ``gone``: the requests finished, aborted or preempted since (their rows are skipped).
+    (:func:`vase.vllm.compact.evict_deferred`, each row's at the start of the next step that schedules it:
+    :meth:`WorkerState.flush`); ``gone``: the requests finished, aborted or preempted since (their rows are skipped);
+    ``done``: the requests whose evictions have run.
     """
 
     schedule: StepSchedule
@@ -129,10 +131,20 @@ class PagedStep:
     cache: dict = field(default_factory=dict)  # tensors shared by the layers of this step (built on first use)
     deferred: list = field(default_factory=list)  # the layers whose rows evict after the step
     gone: set = field(default_factory=set)  # requests finished, aborted or preempted while its evictions wait
+    done: set = field(default_factory=set)  # requests whose deferred evictions have run (the others wait)
+
+    @cached_property
+    def evicting(self) -> frozenset:
+        """The request ids of the rows this step evicts."""
+        return frozenset(self.req_ids[i] for i in self.schedule.evict)
 
     def evicting_ids(self) -> set:
-        """The request ids of the rows this step evicts."""
-        return {self.req_ids[i] for i in self.schedule.evict}
+        """The request ids of the rows this step evicts (a copy)."""
+        return set(self.evicting)
+
+    def waiting_ids(self) -> frozenset:
+        """The request ids whose deferred evictions of this step have not run and are still to run."""
+        return self.evicting - self.gone - self.done
 
 
 class WorkerState:
@@ -171,6 +183,7 @@ class WorkerState:
             "compressed_at_prefill": 0,
             "shrunk": 0,
             "flushes_waited": 0,
+            "partial_flushes": 0,
             "max_fill": 0,
             "max_blocks_per_row": 0,
             "t_plan": 0.0,
@@ -290,34 +303,37 @@ class WorkerState:
         first, leaving out the requests in ``skip`` (finished, aborted or preempted since); the worker calls it at the
         start of each step, before the step's plan, and before its counters are read.
 
-        ``touched``: the request ids the coming step schedules or changes (None: every request). When none of the
-        waiting evictions' requests is among them, the evictions wait on (the step reads and writes none of their
-        rows, blocks or tables) and ``skip`` is remembered for them: a request that sat out a step
-        (``prefill_first``) is compressed at the start of the step that schedules it."""
+        ``touched``: the request ids the coming step schedules or changes (None: every request). Only their evictions
+        run; the others wait on (the step reads and writes none of their rows, blocks or tables, and vLLM gives back
+        a request's trimmed blocks only when it schedules it again), each step's ``skip`` remembered for them: a
+        request that sat out a step (``prefill_first``) is compressed at the start of the step that schedules it, and
+        the prompts compressed alongside it in its prefill step do not add to this step (the time to first token of
+        the prompts it prefills). A step's buffer of held entries goes back once none of its rows waits."""
         from .compact import evict_deferred  # compact reads this module's types
 
         if not self.pending:
             return
+        t = time.perf_counter()
+        waiting, ran, left = [], False, False
         for p in self.pending:
             p.gone.update(skip)
-        waiting = []
-        for p in self.pending:
-            if p.evicting_ids() - p.gone:
+            due = p.waiting_ids() if touched is None else p.waiting_ids() & touched
+            if due:
+                evict_deferred(self, p, due)
+                p.done.update(due)
+                ran = True
+            if p.waiting_ids():
                 waiting.append(p)
-            else:  # every row gone: nothing to run, its entries unread
+                left = True
+                self.stats["partial_flushes"] += bool(due)
+            else:  # every row evicted or gone: the step's held entries are read no more
+                p.deferred = []
                 self.store.close(p.cache.pop("held", None))
         self.pending = waiting
-        if not self.pending:
-            return
-        if touched is not None and not any((p.evicting_ids() - p.gone) & set(touched) for p in self.pending):
+        if left:
             self.stats["flushes_waited"] += 1
-            return
-        pending, self.pending = self.pending, []
-        t = time.perf_counter()
-        for p in pending:
-            evict_deferred(self, p, p.gone)
-            self.store.close(p.cache.pop("held", None))
-        self.stats["t_evict"] += time.perf_counter() - t
+        if ran:
+            self.stats["t_evict"] += time.perf_counter() - t
 
     def commit(self) -> None:
         """After a step's forward: the sequence model moves on (fills, eviction counts, ring pointers, limits); the

@@ -62,7 +62,9 @@ class VaseCPUWorker(CPUWorker):
         admitted and released, evictions, the most blocks a row held, times in seconds; ``live_rows`` (requests it
         holds now), ``layers`` (its evicting layers), ``head_offset`` (the model's index of its first KV head),
         ``held_buffers`` (buffers allocated for dense rows' entries held until their deferred eviction: reused step
-        after step, :mod:`vase.vllm.store`); None without vase."""
+        after step, :mod:`vase.vllm.store`), ``flushes_waited`` (steps that left some deferred evictions waiting for
+        a later step that schedules their requests) and ``partial_flushes`` (of those, the ones that ran some of the
+        same step's rows); None without vase."""
         ws = getattr(self.model_runner, "vase_state", None)
         if ws is None:
             return None

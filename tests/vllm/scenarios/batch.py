@@ -3,8 +3,9 @@ steps; the seed from ``SamplingParams.seed`` when ``vase_seed`` is not given; pa
 logprobs): each child against a single request with the child's seeds; chunked prefill (per-chunk compression).
 
 Job: ``{"model", "prompts": [[ids]] (the first is the request watched), "max_tokens", "vase": engine_args kwargs,
-"join_steps": [step at which each other prompt joins], "prefill_first": [[ids, vase_seed], [ids, vase_seed]] (a prompt
-compressed at prefill, then one that arrives a step later)}``.
+"join_steps": [step at which each other prompt joins], "waits": the other prompt (index) whose compression at
+prefill waits a step while the others' evictions of that step run, "prefill_first": [[ids, vase_seed], [ids,
+vase_seed]] (a prompt compressed at prefill, then one that arrives a step later)}``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ if __name__ == "__main__":
         step += 1
     result["in_batch"] = done["watched"]
     result["batch_stats"] = common.stats(llm)
+    # the request whose compression at prefill waited while the step after evicted the others' rows: alone
+    k = spec["waits"]
+    result["waited"] = next(v for name, v in done.items() if name.startswith(f"other{k}"))
+    params = common.params(n + 13 * k, extra_args={"vase_seed": 100 + k})
+    result["waited_alone"] = list(
+        llm.generate([common.tokens_prompt(prompts[k])], params, use_tqdm=False)[0].outputs[0].token_ids
+    )
 
     # prefill_first: the first request's prompt is compressed at prefill; the second arrives after that step, so the
     # first sits out its first decode step while the second is prefilled (its compression waits for its next step)
