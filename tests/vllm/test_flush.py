@@ -8,6 +8,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import torch
 
 from vase.vllm import settings
 from vase.vllm.state import WorkerState
@@ -81,3 +82,17 @@ def test_a_plan_knows_its_waiting_requests():
     assert plan.evicting_ids() == {"a", "c"} and plan.waiting_ids() == {"a"}
     plan.done.add("a")
     assert plan.waiting_ids() == frozenset()
+
+
+def test_reusable_tensors_keep_their_memory_from_step_to_step(ws):
+    """The scratch cache and selected queries of a step come from memory the worker keeps: the same address for a
+    step of the same or a smaller size, a larger one when a step needs more, apart per key and dtype."""
+    a = ws.reusable("scratch", (4, 3, 8), torch.float32)
+    a.fill_(1.0)
+    b = ws.reusable("scratch", (2, 3, 8), torch.float32)
+    assert b.shape == (2, 3, 8) and b.data_ptr() == a.data_ptr() and bool((b == 1.0).all())
+    other = ws.reusable("ring_q", (4, 3, 8), torch.float32)
+    assert other.data_ptr() != a.data_ptr()
+    big = ws.reusable("scratch", (40, 3, 8), torch.float32)
+    assert big.shape == (40, 3, 8) and ws.reusable("scratch", (40, 3, 8), torch.float32).data_ptr() == big.data_ptr()
+    assert ws.reusable("scratch", (4, 3, 8), torch.float64).dtype == torch.float64

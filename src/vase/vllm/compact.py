@@ -42,7 +42,11 @@ def save_queries(ws: WorkerState, li: int, q: torch.Tensor, plan: PagedStep) -> 
     ``li``'s ring."""
     ring = ws.seq.ring
     if ring is not None and plan.ring is not None and plan.ring_tok.numel():
-        ring.write(li, plan.ring, q.index_select(0, plan.ring_tok))
+        picked = plan.work.get("ring_q")  # the step's selected queries, one reused tensor for every layer
+        if picked is None or picked.dtype != q.dtype:
+            shape = (plan.ring_tok.numel(), *q.shape[1:])
+            picked = plan.work["ring_q"] = ws.reusable("ring_q", shape, q.dtype)
+        ring.write(li, plan.ring, torch.index_select(q, 0, plan.ring_tok, out=picked))
 
 
 @dataclass
@@ -122,7 +126,12 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
     """
     h = k.shape[1]
     _, _, bs, d2 = kv_cache.shape
-    scratch = kv_cache.new_zeros((split.blocks, h, bs, d2))  # zeros: no stale value in a block's unread tail
+    # one scratch cache for the step's layers, zeroed at the first (no stale value in a block's unread tail; every
+    # layer writes the same slots), in memory the worker reuses step after step
+    key = ("scratch", tuple(kv_cache.shape[1:]))
+    scratch = plan.work.get(key)
+    if scratch is None:
+        scratch = plan.work[key] = ws.reusable(key, (split.blocks, h, bs, d2), kv_cache.dtype).zero_()
     names = ws.seq.tables.state[li].keys()
     out, start = {}, 0
     for r in split.rows:

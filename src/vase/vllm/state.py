@@ -16,6 +16,7 @@ token counts it is given each step (the schedule's ``fill += n``; a fill reachin
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -129,6 +130,7 @@ class PagedStep:
     ring: RingWrite | None = None
     ring_tok: torch.Tensor | None = None
     cache: dict = field(default_factory=dict)  # tensors shared by the layers of this step (built on first use)
+    work: dict = field(default_factory=dict)  # this step's views of the worker's reusable tensors, until it commits
     deferred: list = field(default_factory=list)  # the layers whose rows evict after the step
     gone: set = field(default_factory=set)  # requests finished, aborted or preempted while its evictions wait
     done: set = field(default_factory=set)  # requests whose deferred evictions have run (the others wait)
@@ -173,6 +175,7 @@ class WorkerState:
         self.plan: PagedStep | None = None
         self.pending: list[PagedStep] = []  # committed steps whose deferred evictions wait (flush), oldest first
         self.store = HeldStore()  # the buffers of the dense rows' entries those steps hold
+        self.buffers: dict = {}  # memory of the tensors each step's layers reuse (reused), see reusable()
         self.stats = {
             "steps": 0,
             "admitted": 0,
@@ -297,6 +300,17 @@ class WorkerState:
         """The fill at which a live request evicts next (tests)."""
         return self.seq.schedule.limit(self.row_of[req_id])
 
+    def reusable(self, key, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` for the layers of one step (its contents whatever its last user left),
+        in memory the worker keeps from step to step under ``key`` and grows when a step needs more: a step's
+        per-layer work tensors (scratch cache, selected queries) neither come new from the heap for each layer, between
+        the forward's activations, nor fault in fresh pages at each step."""
+        n = math.prod(shape)
+        buf = self.buffers.get((key, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[(key, dtype)] = torch.empty(n + n // 4, dtype=dtype)  # room to grow a little
+        return buf[:n].view(shape)
+
     # ---------------------------------------------------------------------------------------------- commit
     def flush(self, skip=frozenset(), touched=None) -> None:
         """Run the evictions the committed steps deferred (:func:`vase.vllm.compact.evict_deferred`), oldest step
@@ -343,6 +357,7 @@ class WorkerState:
         if p is None:
             return
         self.plan = None
+        p.work.clear()  # the reusable tensors are the next step's
         if p.deferred:
             self.pending.append(p)
         self.seq.commit(p.schedule, p.ring)
