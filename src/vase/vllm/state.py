@@ -175,7 +175,7 @@ class WorkerState:
         self.plan: PagedStep | None = None
         self.pending: list[PagedStep] = []  # committed steps whose deferred evictions wait (flush), oldest first
         self.store = HeldStore()  # the buffers of the dense rows' entries those steps hold
-        self.buffers: dict = {}  # memory of the tensors each step's layers reuse (reused), see reusable()
+        self.buffers: dict = {}  # (key, dtype) -> the memory behind reusable(), kept step after step
         self.stats = {
             "steps": 0,
             "admitted": 0,
@@ -321,8 +321,9 @@ class WorkerState:
         run; the others wait on (the step reads and writes none of their rows, blocks or tables, and vLLM gives back
         a request's trimmed blocks only when it schedules it again), each step's ``skip`` remembered for them: a
         request that sat out a step (``prefill_first``) is compressed at the start of the step that schedules it, and
-        the prompts compressed alongside it in its prefill step do not add to this step (the time to first token of
-        the prompts it prefills). A step's buffer of held entries goes back once none of its rows waits."""
+        when a prompt split across two steps is scheduled again, the compressions of the prompts prefilled beside it
+        do not add to this step (nor to the time to first token of the prompts it prefills). A step's buffer of held
+        entries goes back once none of its rows waits."""
         from .compact import evict_deferred  # compact reads this module's types
 
         if not self.pending:
