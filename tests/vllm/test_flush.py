@@ -79,7 +79,7 @@ def test_a_plan_knows_its_waiting_requests():
     plan = PagedStep.__new__(PagedStep)
     plan.req_ids, plan.schedule = ["a", "b", "c"], SimpleNamespace(evict=[0, 2])
     plan.gone, plan.done = {"c"}, set()
-    assert plan.evicting_ids() == {"a", "c"} and plan.waiting_ids() == {"a"}
+    assert plan.evicting == {"a", "c"} and plan.waiting_ids() == {"a"}
     plan.done.add("a")
     assert plan.waiting_ids() == frozenset()
 

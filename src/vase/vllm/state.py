@@ -140,10 +140,6 @@ class PagedStep:
         """The request ids of the rows this step evicts."""
         return frozenset(self.req_ids[i] for i in self.schedule.evict)
 
-    def evicting_ids(self) -> set:
-        """The request ids of the rows this step evicts (a copy)."""
-        return set(self.evicting)
-
     def waiting_ids(self) -> frozenset:
         """The request ids whose deferred evictions of this step have not run and are still to run."""
         return self.evicting - self.gone - self.done
@@ -329,7 +325,7 @@ class WorkerState:
         if not self.pending:
             return
         t = time.perf_counter()
-        waiting, ran, left = [], False, False
+        waiting, ran = [], False
         for p in self.pending:
             p.gone.update(skip)
             due = p.waiting_ids() if touched is None else p.waiting_ids() & touched
@@ -339,13 +335,12 @@ class WorkerState:
                 ran = True
             if p.waiting_ids():
                 waiting.append(p)
-                left = True
                 self.stats["partial_flushes"] += bool(due)
             else:  # every row evicted or gone: the step's held entries are read no more
                 p.deferred = []
                 self.store.close(p.cache.pop("held", None))
         self.pending = waiting
-        if left:
+        if waiting:
             self.stats["flushes_waited"] += 1
         if ran:
             self.stats["t_evict"] += time.perf_counter() - t

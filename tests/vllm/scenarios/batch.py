@@ -90,7 +90,7 @@ if __name__ == "__main__":
     eng.step()
 
     def held():  # the engine's own id of a request is the given one plus a suffix
-        return sum(any(r.startswith("held") for r in p.evicting_ids()) for p in state.ACTIVE.pending)
+        return sum(any(r.startswith("held") for r in p.evicting) for p in state.ACTIVE.pending)
 
     waiting = held()
     eng.abort_request(["held"])
