@@ -36,6 +36,8 @@ def test_ladder_and_floor():
     assert own.ladder(1024)[:2] == (320, 352) and own.ladder(1024)[-1] == 1024
     assert _settings("h2o:budget=48:buffer=16:sinks=4").ladder(48) == (48,)
     assert "budgets down to 96 when the pool is short" in s.describe()
+    assert "prefill_first" not in s.describe()
+    assert "prefill_first off" in _settings("vase:budget=256:buffer=64:prefill_first=false").describe()
     assert not _settings("vase:budget=256:admission=reserve").elastic
     assert not _settings("full:budget=256").elastic
 

@@ -195,18 +195,7 @@ def _subset(cm, run):
     """``cm`` restricted to the adjacent batch rows of ``run`` (:class:`vase.vllm.compact.Run`), their query start
     locations from 0, for the kernel's call over the paged cache on the step's tokens ``[run.a, run.b)``."""
     qsl = cm.query_start_loc_cpu[run.r0 : run.r1 + 1] - run.a
-    seq_lens = cm.seq_lens[run.r0 : run.r1]
-    return dataclasses.replace(
-        cm,
-        num_reqs=run.r1 - run.r0,
-        num_actual_tokens=run.b - run.a,
-        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl,
-        seq_lens=seq_lens,
-        block_table_tensor=cm.block_table_tensor[run.r0 : run.r1],
-    )
+    return _rows_metadata(cm, run, qsl, cm.seq_lens[run.r0 : run.r1], cm.block_table_tensor[run.r0 : run.r1])
 
 
 def _scratch_metadata(cm, split, run):
@@ -214,15 +203,22 @@ def _scratch_metadata(cm, split, run):
     scratch cache (:class:`vase.vllm.compact.DenseSplit`)."""
     j0, j1 = run.j0, run.j1
     qsl = split.qsl[j0 : j1 + 1] - split.qsl[j0]
+    table = split.block_table[j0:j1]
+    return _rows_metadata(cm, run, qsl, split.seq_lens[j0:j1], table, slot_mapping=split.slots)
+
+
+def _rows_metadata(cm, run, qsl, seq_lens, block_table, **more):
+    """``cm`` for the rows of ``run`` alone: their query start locations ``qsl`` (from 0), kernel lengths
+    ``seq_lens`` and block table (``more``: other fields replaced as given)."""
     return dataclasses.replace(
         cm,
-        num_reqs=j1 - j0,
+        num_reqs=len(seq_lens),
         num_actual_tokens=run.b - run.a,
         max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-        max_seq_len=int(split.seq_lens[j0:j1].max()),
+        max_seq_len=int(seq_lens.max()),
         query_start_loc=qsl,
         query_start_loc_cpu=qsl,
-        seq_lens=split.seq_lens[j0:j1],
-        block_table_tensor=split.block_table[j0:j1],
-        slot_mapping=split.slots,
+        seq_lens=seq_lens,
+        block_table_tensor=block_table,
+        **more,
     )

@@ -303,6 +303,8 @@ class EngineSettings:
         admission = self.admission
         if self.elastic:
             admission += f" (budgets down to {self.floor} when the pool is short)"
+        if not self.prefill_first:
+            admission += ", a request decodes in the step after its prefill (prefill_first off)"
         return (
             f"{c.policy.name} (budget {c.budget}, buffer {c.buffer}, sinks {c.sinks}, window {c.window}, prompt "
             f"{prompt}): at most {self.cap_blocks} blocks of {self.block_size} tokens per request, admission "
