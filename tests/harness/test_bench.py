@@ -207,3 +207,23 @@ def test_decode_step_limit_script_on_the_embedded_model(embedded):
     parts = res["split"]
     assert parts["weight matmuls"] > 0 and parts["attention"] > 0
     assert parts["step (unprofiled median)"] == pytest.approx(1e3 * res["rows"][2]["step_s"])
+
+
+def test_serve_bench_records_the_machine():
+    """The served benchmark's ratios depend on the machine: each engine's result records it, and the table names it
+    (or says the rows differ, or that an older result did not record it)."""
+    mod = _script("vllm_serve_bench.py")
+    machine = mod._machine()
+    assert machine["cores"] >= 1 and machine["cpu"] and "torch" in machine["versions"]
+    line = mod._describe(machine)
+    assert line.startswith(machine["cpu"]) and f"{machine['cores']} cores" in line
+    client = {"output_throughput": 100.0, "median_ttft_ms": 1000.0, "p99_ttft_ms": 2000.0}
+    server = {"preemptions": 0, "shrinks": 0}
+    row = {"workload": "burst", "engines": {"stock": {"client": client, "server": server}}}
+    assert mod._table({"workloads": [row]}, "stock").startswith("Machine: not recorded\n")
+    row["engines"]["stock"]["machine"] = machine
+    table = mod._table({"workloads": [row]}, "stock")
+    assert table.startswith(f"Machine: {line}\n") and "| burst | stock | 100.0 | 1.00x | 1.00 | 2.00 |" in table
+    other = {**machine, "cores": machine["cores"] + 1}
+    row["engines"]["vase"] = {"client": client, "server": server, "machine": other}
+    assert mod._table({"workloads": [row]}, "stock").startswith("Machine: differs between rows (see results.json)")
