@@ -276,7 +276,7 @@ def _machine() -> dict:
     """What the ratios depend on (docs/SERVING.md, "The ratio depends on the machine"): the CPU as the OS reports it
     (a virtual machine may name only its vendor: family, model and stepping then tell processors apart), the vector
     instruction sets vLLM's CPU kernels choose between, the cores this process may use, the memory, and the versions
-    of vLLM, torch and vase (with the commit, ``+dirty`` for uncommitted changes under src/)."""
+    of vLLM, torch, transformers and vase (with the commit, ``+dirty`` for uncommitted changes under src/)."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -326,7 +326,7 @@ def _describe(machine: dict) -> str:
     versions = [f"{k} {v}" for k, v in machine.get("versions", {}).items()]
     if machine.get("commit"):
         versions.append(f"commit {machine['commit']}")
-    isa = "/".join(machine.get("isa", [])) or "no AVX2"
+    isa = "/".join(machine.get("isa", [])) or "no AVX2, AVX-512 or AMX"
     return f"{machine['cpu']}, {isa}, {machine['cores']} cores, {machine['memory_gib']} GiB; {', '.join(versions)}"
 
 
