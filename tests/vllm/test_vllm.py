@@ -82,7 +82,13 @@ def test_request_budgets_within_the_engine_limits():
     from vase.vllm.state import WorkerState
 
     cfg, engine = parse("streaming_llm:budget=48:buffer=16:sinks=4:max_budget=112:allow_full=true")
-    assert engine == {"admission": "elastic", "max_budget": 112, "allow_full": True, "prefill_first": True}
+    assert engine == {
+        "admission": "elastic",
+        "max_budget": 112,
+        "allow_full": True,
+        "prefill_first": True,
+        "prefill_priority": True,
+    }
     s = EngineSettings(cfg, block_size=32, **engine)
     assert [s.request_budget(x) for x in (None, {"vase_budget": 96}, {"vase_budget": "full"})] == [48, 96, None]
     assert (s.cap_tokens, s.table_tokens) == (64, 128)
@@ -161,7 +167,17 @@ def test_spec_string_and_dict_resolve_alike():
     b, adm_b = parse({"policy": "snapkv:selector=sample", "budget": 256, "buffer": 32, "sinks": 2})
     assert (a.budget, a.buffer, a.sinks, a.policy.options["selector"]) == (256, 32, 2, "sample")
     assert (b.budget, b.buffer, b.sinks, b.policy.options) == (a.budget, a.buffer, a.sinks, a.policy.options)
-    assert adm_a == adm_b == {"admission": "elastic", "max_budget": None, "allow_full": False, "prefill_first": True}
+    assert (
+        adm_a
+        == adm_b
+        == {
+            "admission": "elastic",
+            "max_budget": None,
+            "allow_full": False,
+            "prefill_first": True,
+            "prefill_priority": True,
+        }
+    )
     paper, _ = parse("vase:preset=paper:budget=256:buffer=64")
     assert not paper.compress_prompt and paper.window == 64
 

@@ -61,6 +61,7 @@ def engine_args(
     max_budget: int | None = None,
     allow_full: bool = False,
     prefill_first: bool = True,
+    prefill_priority: bool = True,
     prefix_caching: bool | None = None,
     block_size: int = 32,
     **policy_options,
@@ -83,6 +84,9 @@ def engine_args(
         prefill_first: a request whose prefill has just ended sits out its first decode step when that step admits
             new prompts, so that their first token waits neither for its decode nor for its prompt's compression
             (default; False: it decodes at once, as vLLM schedules).
+        prefill_priority: a step that admits new prompts carries their prefill alone, the running requests'
+            decodes sitting it out (never two steps in a row), so that an arrival's first token waits for its prefill
+            only (default; False: prompts are prefilled beside the decodes, as vLLM schedules).
         prefix_caching: vLLM's prefix caching (None: on for a policy that keeps the prompt dense, as vLLM's default,
             off for one that compresses prompts at prefill, which cannot share them).
         block_size: tokens per KV block, a multiple of 32 (the CPU kernel's rule).
@@ -116,6 +120,8 @@ def engine_args(
         spec["allow_full"] = True
     if not prefill_first:
         spec["prefill_first"] = False
+    if not prefill_priority:
+        spec["prefill_priority"] = False
     config, _ = parse(spec)  # the configuration's own errors, now
     if prefix_caching is None:
         prefix_caching = not config.compress_prompt

@@ -25,6 +25,12 @@ stop conditions); only the blocks follow the physical bound ``budget + buffer``.
   its compression deferred by the worker to the start of the next step that schedules it
   (:meth:`vase.vllm.state.WorkerState.flush`), so the prompts admitted behind it do not wait for it either. The
   request decodes one step later; at most once per request.
+* ``prefill_priority`` (default): a step whose elastic plan admits new prompts, with no running request shrinking,
+  carries their prefill alone: every decoding request sits it out (``next_decode_eligible_step`` again), never two
+  steps in a row (the step after always decodes), and prefills still in progress (chunks) go on. A request arriving
+  beside many decoding ones then waits for the step under way and its prefill, not for their decodes as well
+  (vLLM V0's order: prefills first); each arrival delays the running requests by that one step. Not with shrinks: the
+  blocks they give back come only after the shrunk requests' next step, so the prompt could not be admitted yet.
 * The worker hears each request's budget from the scheduler: ``SchedulerOutput.vase_budgets`` (request id -> budget,
   or ``"full"``) names the budget of every request scheduled for the first time and of every request shrunk in this
   step (the step's output reaches the worker before the step runs).
@@ -147,6 +153,8 @@ class VaseScheduler(Scheduler):
     early: dense prompts cut back to the cap, shrunk requests), ``shrinks`` (running requests whose budget was lowered),
     ``admitted_below_budget`` (requests admitted below the budget they asked for), ``min_budget_held`` (the smallest
     budget a request held), ``held_back`` (requests that sat out their first decode step, ``prefill_first``),
+    ``prefill_alone`` (steps that admitted new prompts with the decodes paused, ``prefill_priority``) and
+    ``decodes_paused`` (decodes they left out),
     ``groups_capped`` / ``groups_sliding`` (KV cache groups vase caps, sliding-window groups
     left to vLLM), ``cap_blocks``, ``kv_blocks_held`` / ``kv_blocks_without_eviction`` (the pool's blocks the
     running requests hold after the last step, and ``ceil(tokens / block_size)`` summed over them: what plain vLLM
@@ -176,6 +184,8 @@ class VaseScheduler(Scheduler):
             "shrinks": 0,
             "admitted_below_budget": 0,
             "held_back": 0,
+            "prefill_alone": 0,
+            "decodes_paused": 0,
             "min_budget_held": None,
             "cap_blocks": None,
             "kv_blocks_held": 0,
@@ -188,6 +198,7 @@ class VaseScheduler(Scheduler):
         self._vase_shrinking: set[str] = set()
         self._vase_held: set[str] = set()  # requests that sat out their first decode step (prefill_first)
         self._vase_admits = False  # whether the elastic plan of this step admits a waiting request
+        self._vase_alone = False  # whether the last step paused the decodes (prefill_priority)
         if self.vase is None or not self.vase.evicts:
             return
         self._vase_others = []  # sliding-window managers: vLLM bounds them (blocks out of the window go back)
@@ -372,12 +383,30 @@ class VaseScheduler(Scheduler):
             self._vase_held.add(rid)
             self.vase_stats["held_back"] += 1
 
+    def _vase_pause_decodes(self) -> None:
+        """``prefill_priority``: every running request past its prompt sits out this step, which admits new prompts
+        (requests still prefilling go on)."""
+        paused = 0
+        for r in self.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                # schedule() advances current_step before it checks eligibility: + 2 skips this step alone
+                r.next_decode_eligible_step = max(r.next_decode_eligible_step, self.current_step + 2)
+                paused += 1
+        if paused:
+            self.vase_stats["prefill_alone"] += 1
+            self.vase_stats["decodes_paused"] += paused
+        self._vase_alone = paused > 0
+
     def schedule(self, *args, **kwargs):
         self._vase_admits = False
         changes = self._vase_elastic() if self._vase_managers and self.vase.elastic and self.waiting else {}
+        alone, self._vase_alone = self._vase_alone, False
         if self._vase_managers and self.vase.prefill_first and self.waiting:
             if self._vase_admits or not self.vase.elastic:
                 self._vase_hold_back()
+        if self._vase_managers and self.vase.prefill_priority and self._vase_admits and not alone:
+            if not changes and not self._vase_shrinking:
+                self._vase_pause_decodes()
         out = super().schedule(*args, **kwargs)
         st = self.vase_stats
         st["peak_running"] = max(st["peak_running"], len(self.running))

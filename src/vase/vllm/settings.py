@@ -20,7 +20,9 @@ default: the budget's quarter, rounded up to a budget that fills whole blocks), 
 ``max_budget`` (the largest budget a request may ask for, tokens; default: the budget), ``allow_full`` (whether a
 request may ask for the full cache; default false) and ``prefill_first`` (default true: a request whose prefill has just
 ended sits out its first decode step when that step admits new prompts, so that their first token waits neither for
-its decode nor for its prompt's compression; :class:`vase.vllm.scheduler.VaseScheduler`).
+its decode nor for its prompt's compression) and ``prefill_priority`` (default true: a step that admits new prompts
+carries their prefill alone, the running requests' decodes sitting it out, never two steps in a row;
+:class:`vase.vllm.scheduler.VaseScheduler`).
 
 **Per-request fields** (``SamplingParams.extra_args``, the OpenAI server's ``vllm_xargs``; :func:`check_fields`):
 ``vase_seed`` (the seed of the request's sampled eviction) and ``vase_budget`` (the request's own budget, an integer
@@ -136,6 +138,9 @@ class EngineSettings:
         allow_full: whether a request may ask for the full cache (``vase_budget="full"``).
         prefill_first: a request whose prefill has just ended sits out its first decode step when that step admits
             new prompts (its decode, and its prompt's compression, then run after their prefill, not before it).
+        prefill_priority: a step that admits new prompts (elastic admission, no budget shrinking) carries their
+            prefill alone: the running requests' decodes sit it out, never two steps in a row, so that a request
+            arriving beside many decoding ones waits for its prefill only (vLLM V0's prefill-first order).
         prefix_caching: the engine shares prompt blocks between requests (vLLM's prefix caching; a policy that keeps
             the prompt dense only): a request's full prompt blocks are never rewritten, its compaction writes to the
             blocks after them (:meth:`front_blocks`).
@@ -149,6 +154,7 @@ class EngineSettings:
     max_budget: int | None = None
     allow_full: bool = False
     prefill_first: bool = True
+    prefill_priority: bool = True
     prefix_caching: bool = False
     spec: str = ""
     _ladders: dict = field(default_factory=dict, compare=False, repr=False)  # (target, floor) -> ladder
@@ -305,6 +311,8 @@ class EngineSettings:
             admission += f" (budgets down to {self.floor} when the pool is short)"
         if not self.prefill_first:
             admission += ", a request decodes in the step after its prefill (prefill_first off)"
+        if not self.prefill_priority:
+            admission += ", arrivals prefilled beside the running requests' decodes (prefill_priority off)"
         return (
             f"{c.policy.name} (budget {c.budget}, buffer {c.buffer}, sinks {c.sinks}, window {c.window}, prompt "
             f"{prompt}): at most {self.cap_blocks} blocks of {self.block_size} tokens per request, admission "
@@ -347,8 +355,8 @@ def _as_bool(value, key: str) -> bool:
 
 def parse(raw) -> tuple[VaseConfig, dict]:
     """The :class:`VaseConfig` and the engine keys of a configuration (string or dict, see the module docstring):
-    ``{"admission": ..., "max_budget": ..., "allow_full": ..., "prefill_first": ...}`` (and ``"min_budget"`` when
-    given).
+    ``{"admission": ..., "max_budget": ..., "allow_full": ..., "prefill_first": ..., "prefill_priority": ...}`` (and
+    ``"min_budget"`` when given).
 
     Raises:
         VaseConfigError: a value that is neither a string nor a dict, an option a serving engine cannot take (a
@@ -382,6 +390,7 @@ def parse(raw) -> tuple[VaseConfig, dict]:
     min_budget = options.pop("min_budget", None)
     allow_full = _as_bool(options.pop("allow_full", False), "allow_full")
     prefill_first = _as_bool(options.pop("prefill_first", True), "prefill_first")
+    prefill_priority = _as_bool(options.pop("prefill_priority", True), "prefill_priority")
     sizes = {k: options.pop(k) for k in SIZE_KEYS if k in options}
     if "compress_prompt" in sizes:
         sizes["compress_prompt"] = _as_bool(sizes["compress_prompt"], "compress_prompt")
@@ -414,6 +423,7 @@ def parse(raw) -> tuple[VaseConfig, dict]:
         "max_budget": max_budget,
         "allow_full": allow_full,
         "prefill_first": prefill_first,
+        "prefill_priority": prefill_priority,
     }
     if min_budget is not None:
         engine["min_budget"] = min_budget
