@@ -38,6 +38,9 @@ def test_ladder_and_floor():
     assert "budgets down to 96 when the pool is short" in s.describe()
     assert "prefill_first" not in s.describe()
     assert "prefill_first off" in _settings("vase:budget=256:buffer=64:prefill_first=false").describe()
+    assert "prefill_priority" not in s.describe() and s.prefill_priority
+    off = _settings("vase:budget=256:buffer=64:prefill_priority=false")
+    assert not off.prefill_priority and "prefill_priority off" in off.describe()
     assert not _settings("vase:budget=256:admission=reserve").elastic
     assert not _settings("full:budget=256").elastic
 

@@ -113,6 +113,7 @@ def test_request_budgets_within_the_engine_limits():
         ("vase:preset=paper:budget=128:buffer=64:max_budget=200", "max_budget 200: the published method"),
         ("h2o:budget=256:allow_full=maybe", "allow_full must be true or false"),
         ("h2o:budget=256:prefill_first=later", "prefill_first must be true or false"),
+        ("h2o:budget=256:prefill_priority=maybe", "prefill_priority must be true or false"),
     ]:
         with pytest.raises(vase.vllm.VaseConfigError, match=re.escape(words)):
             parse(raw)
@@ -559,6 +560,34 @@ def test_sampled_request_unchanged_by_the_batch(runs):
     # a step's evictions run per request: the others' at the next step, the held-back one's a step later
     assert res["batch_stats"]["worker"]["partial_flushes"] >= 1
     assert res["waited"] == res["waited_alone"]
+    # the same arrivals with prefill_priority (the default): the decodes sit out the steps that admit them, and no
+    # request's tokens change
+    assert res["in_batch_priority"] == res["alone"]
+    assert res["priority_stats"]["scheduler"]["prefill_alone"] > res["batch_stats"]["scheduler"]["prefill_alone"]
+
+
+@needs_vllm
+def test_prefill_priority_prefills_an_arrival_alone(runs, hf_refs):
+    """``prefill_priority`` (the default): the step that admits a prompt arriving while another request decodes
+    carries that prefill alone (the decode sits it out); the next step, which admits another arrival, decodes too
+    (never two such steps in a row), the request just prefilled sitting it out (``prefill_first``); every request's
+    tokens are still vase on transformers'."""
+    res = _result(runs, "batch")["prefill_priority"]
+    assert res["outputs"]["p1"] == res["outputs"]["p3"] == hf_refs["vase"][0][0]
+    assert res["outputs"]["c2"] == hf_refs["vase"][2][0]
+    assert res["counts"][:7] == [
+        {"p1": 1},
+        {"p1": 2},
+        {"p1": 3},
+        {"p1": 4},
+        {"c2": 1},
+        {"p1": 5, "p3": 1},
+        {"p1": 6, "c2": 2, "p3": 2},
+    ], res["counts"]
+    before, after = res["before"]["scheduler"], res["after"]["scheduler"]
+    assert after["prefill_alone"] - before["prefill_alone"] == 1
+    assert after["decodes_paused"] - before["decodes_paused"] == 1
+    assert after["held_back"] - before["held_back"] == 1
 
 
 @needs_vllm

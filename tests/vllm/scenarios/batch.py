@@ -5,10 +5,13 @@ logprobs): each child against a single request with the child's seeds; chunked p
 Job: ``{"model", "prompts": [[ids]] (the first is the request watched), "max_tokens", "vase": engine_args kwargs,
 "join_steps": [step at which each other prompt joins], "waits": the other prompt (index) whose compression at
 prefill waits a step while the others' evictions of that step run, "prefill_first": [[ids, vase_seed], [ids,
-vase_seed]] (a prompt compressed at prefill, then one that arrives a step later)}``.
+vase_seed]] (a prompt compressed at prefill, then one that arrives a step later; also used for the arrivals of
+``prefill_priority``)}``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import common
 
@@ -29,23 +32,36 @@ if __name__ == "__main__":
     )
     # the same request while others arrive (before it and after it) and leave, on the same engine
     eng = llm.llm_engine
-    joins = dict(zip(spec["join_steps"], range(1, len(prompts))))
-    done, step = {}, 0
-    eng.add_request("watched", watched, common.params(n, extra_args={"vase_seed": 7}))
-    while eng.has_unfinished_requests() or joins:
-        if step in joins:
-            k = joins.pop(step)
-            eng.add_request(
-                f"other{k}",
-                common.tokens_prompt(prompts[k]),
-                common.params(n + 13 * k, extra_args={"vase_seed": 100 + k}),
-            )
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = list(o.outputs[0].token_ids)
-        step += 1
+
+    def joined():
+        """The watched request, the others joining at their steps; every request's tokens."""
+        joins = dict(zip(spec["join_steps"], range(1, len(prompts))))
+        done, step = {}, 0
+        eng.add_request("watched", watched, common.params(n, extra_args={"vase_seed": 7}))
+        while eng.has_unfinished_requests() or joins:
+            if step in joins:
+                k = joins.pop(step)
+                eng.add_request(
+                    f"other{k}",
+                    common.tokens_prompt(prompts[k]),
+                    common.params(n + 13 * k, extra_args={"vase_seed": 100 + k}),
+                )
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+            step += 1
+        return done
+
+    # the join steps are chosen for vLLM's own order (decodes beside each prefill): prefill_priority off
+    sched = common.scheduler(llm)
+    default = sched.vase
+    sched.vase = dataclasses.replace(default, prefill_priority=False)
+    done = joined()
     result["in_batch"] = done["watched"]
     result["batch_stats"] = common.stats(llm)
+    sched.vase = default  # and with it (the default): each arrival prefilled alone
+    result["in_batch_priority"] = joined()["watched"]
+    result["priority_stats"] = common.stats(llm)
     # the request whose compression at prefill waited while the step after evicted the others' rows: alone
     k = spec["waits"]
     result["waited"] = next(v for name, v in done.items() if name.startswith(f"other{k}"))
@@ -79,6 +95,27 @@ if __name__ == "__main__":
     result["prefill_first"] = one_step_apart(["first", "second"], compressed, plain)
     # a prompt not compressed sits out its first decode step alike (the step carries the new prompt's prefill only)
     result["prefill_first"]["plain"] = one_step_apart(["plain", "late"], plain, compressed)
+
+    # prefill_priority: a request decoding alone, then one arriving at its fifth step (prefilled alone: the first
+    # request's decode sits that step out), then another at the next step (never two such steps in a row: it is
+    # prefilled beside the first one's decode, while the one just prefilled sits out, prefill_first)
+    def arrivals(names, specs, at):
+        """Requests ``names`` with (prompt ids, vase_seed) ``specs``, each added before step ``at[i]``; tokens
+        produced per step by each (the first eight steps), outputs, counters before and after."""
+        before, counts, done = common.stats(llm), [], {}
+        while eng.has_unfinished_requests() or len(counts) <= max(at):
+            for name, (ids, seed), when in zip(names, specs, at):
+                if when == len(counts):
+                    eng.add_request(name, common.tokens_prompt(ids), common.params(n, extra_args={"vase_seed": seed}))
+            seen = {}
+            for o in eng.step():
+                seen[o.request_id] = len(o.outputs[0].token_ids)
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+            counts.append(seen)
+        return {"outputs": done, "counts": counts[:8], "before": before, "after": common.stats(llm)}
+
+    result["prefill_priority"] = arrivals(["p1", "c2", "p3"], [plain, compressed, plain], [0, 4, 5])
     first, second = compressed[0], plain[0]
     first_seed, second_seed = compressed[1], plain[1]
     # the same, the first aborted while it waits: its compression never runs, nothing of it stays held
