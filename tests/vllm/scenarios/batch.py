@@ -70,35 +70,6 @@ if __name__ == "__main__":
         llm.generate([common.tokens_prompt(prompts[k])], params, use_tqdm=False)[0].outputs[0].token_ids
     )
 
-    # prefill_first: the first request's prompt is compressed at prefill; the second arrives after that step, so the
-    # first sits out its first decode step while the second is prefilled (its compression waits for its next step)
-    def one_step_apart(names, first, second):
-        """Requests ``names`` (prompt ids, vase_seed) ``first`` then ``second`` one step later; tokens produced per
-        step by each (the first four steps), outputs, counters before and after."""
-        before = common.stats(llm)
-        eng.add_request(names[0], common.tokens_prompt(first[0]), common.params(n, extra_args={"vase_seed": first[1]}))
-        counts, done = [], {}
-        while eng.has_unfinished_requests():
-            if len(counts) == 1:
-                eng.add_request(
-                    names[1], common.tokens_prompt(second[0]), common.params(n, extra_args={"vase_seed": second[1]})
-                )
-            seen = {}
-            for o in eng.step():
-                seen[o.request_id] = len(o.outputs[0].token_ids)
-                if o.finished:
-                    done[o.request_id] = list(o.outputs[0].token_ids)
-            counts.append(seen)
-        return {"outputs": done, "counts": counts[:4], "before": before, "after": common.stats(llm)}
-
-    compressed, plain = spec["prefill_first"]
-    result["prefill_first"] = one_step_apart(["first", "second"], compressed, plain)
-    # a prompt not compressed sits out its first decode step alike (the step carries the new prompt's prefill only)
-    result["prefill_first"]["plain"] = one_step_apart(["plain", "late"], plain, compressed)
-
-    # prefill_priority: a request decoding alone, then one arriving at its fifth step (prefilled alone: the first
-    # request's decode sits that step out), then another at the next step (never two such steps in a row: it is
-    # prefilled beside the first one's decode, while the one just prefilled sits out, prefill_first)
     def arrivals(names, specs, at):
         """Requests ``names`` with (prompt ids, vase_seed) ``specs``, each added before step ``at[i]``; tokens
         produced per step by each (the first eight steps), outputs, counters before and after."""
@@ -115,6 +86,16 @@ if __name__ == "__main__":
             counts.append(seen)
         return {"outputs": done, "counts": counts[:8], "before": before, "after": common.stats(llm)}
 
+    # prefill_first: the first request's prompt is compressed at prefill; the second arrives after that step, so the
+    # first sits out its first decode step while the second is prefilled (its compression waits for its next step)
+    compressed, plain = spec["prefill_first"]
+    result["prefill_first"] = arrivals(["first", "second"], [compressed, plain], [0, 1])
+    # a prompt not compressed sits out its first decode step alike (the step carries the new prompt's prefill only)
+    result["prefill_first"]["plain"] = arrivals(["plain", "late"], [plain, compressed], [0, 1])
+
+    # prefill_priority: a request decoding alone, then one arriving at its fifth step (prefilled alone: the first
+    # request's decode sits that step out), then another at the next step (never two such steps in a row: it is
+    # prefilled beside the first one's decode, while the one just prefilled sits out, prefill_first)
     result["prefill_priority"] = arrivals(["p1", "c2", "p3"], [plain, compressed, plain], [0, 4, 5])
     first, second = compressed[0], plain[0]
     first_seed, second_seed = compressed[1], plain[1]
