@@ -17,11 +17,10 @@ import concurrent.futures
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from vllm_serving import FAST_ENV, ROOT, prompts
+from vllm_serving import FAST_ENV, ROOT, child_result, prompts
 
 
 def run_one(args) -> dict:
@@ -93,13 +92,7 @@ def main() -> None:
 
     def child(priority: str) -> dict:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--priority", priority]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(
-                f"prefill_priority={priority} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
-            )
-        return json.loads(lines[-1][7:])
+        return child_result(cmd, env, f"prefill_priority={priority}", cwd=ROOT)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # side by side, one core each
         on, off = pool.map(child, ["on", "off"])

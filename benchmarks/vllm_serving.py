@@ -45,6 +45,16 @@ TOPICS = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def child_result(cmd: list[str], env: dict, what: str, cwd=None) -> dict:
+    """Run one configuration in its own process (``cmd``), which prints its figures as a ``RESULT {json}`` line;
+    returns them. Exits with the child's output tail, naming ``what``, when it fails or prints none."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=cwd)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{what} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def prompts(tokenizer, n: int) -> list[list[int]]:
     """``n`` chat prompts of different lengths (about 40 to 90 tokens), as token ids."""
     out = []
@@ -80,7 +90,7 @@ def run_one(args) -> dict:
     if args.budget:
         kw.update(vase.vllm.engine_args(args.policy, budget=args.budget, buffer=args.buffer))
     else:  # plain vLLM, with the scheduler's counters only (no additional_config: stock behaviour)
-        kw["scheduler_cls"] = vase.vllm.settings.SCHEDULER_CLS
+        kw["scheduler_cls"] = vase.vllm.SCHEDULER_CLS
     llm = LLM(**kw)
     ids = prompts(llm.get_tokenizer(), args.requests)
     params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
@@ -179,12 +189,7 @@ def main() -> None:
         if pool == "tight":
             cmd += ["--blocks", str(args.tight_blocks + 1)]  # + vLLM's null block
         t = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            sys.stderr.write(proc.stderr[-4000:])
-            raise SystemExit(f"configuration {pool} budget {budget} failed (rc {proc.returncode})")
-        res = {**json.loads(line[7:]), "pool": pool, "budget": budget}
+        res = {**child_result(cmd, env, f"configuration {pool} budget {budget}"), "pool": pool, "budget": budget}
         print(
             f"[{time.time() - t:6.0f} s] {pool:5s} {res['engine']:22s} "
             + json.dumps({k: v for k, v in res.items() if k not in ("outputs", "engine", "pool")}),
