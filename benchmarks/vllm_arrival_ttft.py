@@ -39,6 +39,7 @@ def run_one(args) -> dict:
         max_num_seqs=64,
         max_model_len=4096,
         num_gpu_blocks_override=args.blocks,  # a pool for every request at once (two engines share the memory)
+        gpu_memory_utilization=0.3,  # vLLM CPU checks this share of memory is free: two engines share it
         **kw,
     )
     eng = llm.llm_engine
