@@ -14,7 +14,8 @@ whole (no preemption), vase its budget (``--budget`` + ``--buffer`` entries per 
 * ``rest``: the engine around them (scheduling, the sampled tokens' bookkeeping, output processing).
 
 A cost paid per sampled token by both engines (the sampler) bounds what a larger batch can gain: stock vLLM at a tight
-pool runs small batches, vase large ones, and the served ratio is the ratio of their tokens per second of step.
+pool runs small batches, vase large ones, and the served ratio follows the ratio of their tokens per second of step
+(less the prefill and the tail of a run). Raises SystemExit with a child's output when its engine fails.
 
     .venv-vllm/bin/python benchmarks/vllm_step_split.py                 # 24 requests (docs/SERVING.md)
     .venv-vllm/bin/python benchmarks/vllm_step_split.py --stock-requests 6  # stock vLLM as at a tight pool
