@@ -40,7 +40,8 @@ PARTS = ("forward", "vase", "sampler", "rest")
 
 
 def _timed(obj, name: str, acc: list):
-    """Wrap the bound method ``obj.name`` so that each call's wall time is appended to ``acc`` (seconds)."""
+    """Wrap the method ``obj.name`` (of an instance, or of a class: every instance) so that each call's wall time is
+    appended to ``acc`` (seconds)."""
     fn = getattr(obj, name)
 
     def wrapper(*a, **kw):
@@ -62,16 +63,7 @@ def run_one(args) -> dict:
 
     torch.set_num_threads(1)
     sampled: list[float] = []
-    forward = Sampler.forward
-
-    def timed_sampler(self, *a, **kw):
-        t = time.perf_counter()
-        try:
-            return forward(self, *a, **kw)
-        finally:
-            sampled.append(time.perf_counter() - t)
-
-    Sampler.forward = timed_sampler  # this process only: a measurement, the engine unchanged
+    _timed(Sampler, "forward", sampled)  # this process only: a measurement, the engine unchanged
     if args.engine == "vase":
         import vase.vllm
         from vase.vllm import state as st
@@ -79,7 +71,8 @@ def run_one(args) -> dict:
         kw = vase.vllm.engine_args("vase", budget=args.budget, buffer=args.buffer)
         blocks = -(-args.requests * (args.budget + args.buffer + 128) // 32)  # each request's cap, with its prompt
     else:
-        kw, blocks = {}, -(-args.requests * (args.steps + 128) // 32) + args.requests  # every request whole
+        # every request whole, and at least one of the longest (vLLM checks it at start)
+        kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // 32) + args.requests, 4096 // 32)
     llm = LLM(
         model=args.model,
         dtype="float32",
@@ -97,16 +90,7 @@ def run_one(args) -> dict:
     _timed(executor, "execute_model", executed)
     flushed: list[float] = []
     if args.engine == "vase":
-        ws_flush = st.WorkerState.flush
-
-        def timed_flush(self, *a, **kw):
-            t = time.perf_counter()
-            try:
-                return ws_flush(self, *a, **kw)
-            finally:
-                flushed.append(time.perf_counter() - t)
-
-        st.WorkerState.flush = timed_flush
+        _timed(st.WorkerState, "flush", flushed)
     params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.steps + 8, ignore_eos=True)
     ids = prompts(llm.get_tokenizer(), args.requests)
     for i, x in enumerate(ids):
@@ -184,7 +168,12 @@ def main() -> None:
     if args.engine:
         if args.engine == "stock" and args.stock_requests:
             args.requests = args.stock_requests
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        try:
+            result = run_one(args)
+        except BaseException:
+            Path(args.sync, args.engine).touch()  # the other engine stops its unmeasured load now
+            raise
+        print("RESULT " + json.dumps(result), flush=True)
         return
     env = {**os.environ, **FAST_ENV, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_PLUGINS", None)
