@@ -8,7 +8,7 @@ loads even though vase is installed) and vLLM's defaults, prefix caching on; vas
 ``--num-gpu-blocks-override`` set to that many tokens in the engine's own block size, 128 for stock vLLM on CPU and
 32 for vase; or ``--pool-gib`` of KV space), the same model length and request limit, one thread,
 and its own core (``taskset``); all of them are loaded at once, each by its own client (vLLM's ``vllm bench serve``
-through benchmarks/vllm_bench_client.py) with the same prompts and the same arrival times, so that the engines
+through python -m vase.vllm.bench) with the same prompts and the same arrival times, so that the engines
 compared share the machine alike. ``--sequential``: one server at a time on every core (its engine on one core, its
 API server and client on the other, the split vLLM's CPU build makes by default; and for tensor parallelism).
 
@@ -31,7 +31,7 @@ engine.
         --prompts 24 --workloads burst poisson:0.1 poisson:0.5 --sequential \
         --engines "vllm=stock" "vase=vase:budget=256:buffer=64"
 
-Needs ``.venv-vllm`` (``make vllm``) and pandas for the client's dataset reader (``pip install "vase[serve-bench]"``).
+Needs ``.venv-vllm`` (``make vllm``: vase's ``vllm`` extra, pandas included for the client's dataset reader).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STOCK_BLOCK = 128  # vLLM's default KV block size on CPU (tokens)
-CLIENT = ROOT / "benchmarks" / "vllm_bench_client.py"
 COUNTERS = {
     "preemptions": "vllm:num_preemptions_total",
     "prefix_queries": "vllm:prefix_cache_queries_total",
@@ -217,7 +216,7 @@ class Server:
 
 def _client(args, server: Server, dataset: Path, rate: str, out: Path, tag: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, str(CLIENT), "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}",
+        sys.executable, "-m", "vase.vllm.bench", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}",
         "--endpoint", "/v1/completions", "--model", args.model, "--tokenizer", args.model,
         "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template", "--disable-shuffle",
         "--num-prompts", str(args.prompts), "--custom-output-len", str(args.gen), "--ignore-eos",

@@ -3,6 +3,16 @@ dequantized entries, with the validity rules of the quantized store."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -131,3 +141,99 @@ def test_bad_backend_is_a_clear_error():
         codes.decode_attention(**a, backend="cpp")
     with pytest.raises(ValueError, match="triton backend runs on CUDA"):
         codes.decode_attention(**a, backend="triton")
+
+
+# ------------------------------------------------------------------------------------------------ the kernel's build
+_SECOND_CALL = """
+import json, time
+import torch
+from tests.core.test_codes import dequantized_attention, store
+from vase.core import codes
+t0 = time.monotonic()
+a = store(4)
+out = codes.decode_attention(**a)
+print(json.dumps({"cpp": codes.cpp_available(), "seconds": time.monotonic() - t0,
+                  "error": float((out.double() - dequantized_attention(a)).abs().max())}))
+"""
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (Linux ``/proc``), stopped first so that none starts another."""
+    stopped: set[int] = set()
+    while True:
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+        tree, todo = set(), [pid]
+        while todo:
+            p = todo.pop()
+            tree.add(p)
+            todo.extend(children.get(p, []))
+        if not tree - stopped:
+            break
+        for p in tree - stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        stopped |= tree
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the build's processes in /proc")
+def test_a_build_killed_part_way_does_not_block_the_next(tmp_path):
+    """A first build killed once its lock file exists (SIGKILL to it and every process it started, compiler included,
+    as an OOM kill or a cancelled CI job does) leaves that lock behind and no library; the next call still builds the
+    kernel, in about one build's time (20-40 s here; torch's builder alone waits on the lock for ever, so the bound
+    makes that a failure), with the same results as the reference."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
+    first = subprocess.Popen([sys.executable, "-c", "from vase.core import codes; codes.cpp_available()"], env=env)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.rglob("lock")):
+        assert first.poll() is None, "the first build ended before it could be killed"
+        assert time.monotonic() < deadline, "the first build never created its lock file"
+        time.sleep(0.05)
+    _kill_tree(first.pid)
+    first.wait()
+    assert list(tmp_path.rglob("lock")) and not list(tmp_path.rglob("*.so"))  # killed part-way, its lock left
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _SECOND_CALL], env=env, capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the call after a killed build waited on its lock for 240 s")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["cpp"] and result["error"] < 1e-5, result
+    libraries = list(tmp_path.glob("vase_codes_*/vase_codes_*.so"))
+    assert len(libraries) == 1 and not (libraries[0].parent / "lock").exists()
+
+
+def test_a_build_past_its_time_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A build that runs past ``$VASE_KERNEL_BUILD_TIMEOUT`` is stopped (compiler included): the torch path serves,
+    with one warning line saying how to rebuild; a bad timeout is a clear error."""
+    monkeypatch.setattr(codes, "_cpp", None)
+    monkeypatch.setattr(codes, "_cpp_error", "")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("VASE_KERNEL_BUILD_TIMEOUT", "0.2")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="vase"):
+        assert not codes.cpp_available()
+    assert time.monotonic() - t0 < 30
+    assert "TimeoutError: the build ran past 0.2 s" in codes._cpp_error
+    (record,) = [r for r in caplog.records if r.name == "vase"]
+    message = record.getMessage()
+    assert "\n" not in message and "uses torch" in message
+    assert f"to rebuild from scratch delete {tmp_path}" in message and "VASE_KERNEL_BUILD_TIMEOUT above" in message
+    assert not list(tmp_path.rglob(".build-*"))  # the stopped build's private folder is removed
+    a = store(4)
+    torch.testing.assert_close(codes.decode_attention(**a).double(), dequantized_attention(a), atol=1e-5, rtol=1e-5)
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("VASE_KERNEL_BUILD_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="VASE_KERNEL_BUILD_TIMEOUT must be a positive number of seconds"):
+            codes.build_timeout()

@@ -13,7 +13,7 @@ from vase.harness.data import DataError, load_problems
 from vase.harness.evaluate import EvalConfig, merge, read_records, record_key, run_sweep, summarize
 from vase.harness.fidelity import compare, replay
 from vase.harness.magnitudes import magnitude_table
-from vase.harness.report import write_report
+from vase.harness.report import eval_summary, write_report
 from vase.hf.compat import cache_kwargs
 
 
@@ -378,6 +378,8 @@ def test_report_on_fixture(tmp_path):
             )
     (run / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fid))
     text = write_report(run, tmp_path / "out").read_text()
+    printed = eval_summary(recs)  # what `vase eval` prints at its end: the same rows
+    assert "| vase | budget 128 | 4.00x | 33.3 ± 33.3 | 33.3 ± 33.3 | 0.0 | 100.0 | 50 | 1.00 | 4.00 | 3 |" in printed
     assert "| full | budget 128 | 1.00x | 66.7 ± 33.3 | 0.0 ± 0.0 | 0.0 | 100.0 | 50 | 5.00 | 4.00 | 3 |" in text
     assert "| vase | budget 128 | 4.00x | 33.3 ± 33.3 | 33.3 ± 33.3 | 0.0 | 100.0 | 50 | 1.00 | 4.00 | 3 |" in text
     # one source: no standard error, so no best policy is named (tests/harness/test_report.py has the sentences with
@@ -440,3 +442,33 @@ def test_magnitude_table_finds_the_outlier():
     worst = max(rows, key=lambda r: r["v_range_max_over_median"])
     assert (worst["layer"], worst["head"], worst["top_positions"][0]) == (1, 1, 17)
     assert worst["v_range_max_over_median"] > 8
+
+
+def test_eval_command_prints_its_accuracy_table(tmp_path, task_file, monkeypatch):
+    """`vase eval` ends with the table `vase report` opens with for its folder, holding the run's own numbers, then
+    where the records are."""
+    from typer.testing import CliRunner
+
+    from vase.cli import app
+
+    monkeypatch.setattr("vase.hf.models.load_model", lambda *a, **k: tiny_lm())
+    out = tmp_path / "run"
+    args = ["eval", "--out", str(out), "--tasks", str(task_file), "--policies", "full,streaming_llm"]
+    res = CliRunner().invoke(app, args + ["--budgets", "24", "--buffer", "8", "-n", "12", "--greedy", "--limit", "3"])
+    assert res.exit_code == 0, res.output
+    recs = read_records(out / "records.jsonl")
+    assert len(recs) == 6 and {r["new_tokens"] for r in recs} == {12}
+    printed = res.stdout.strip().splitlines()
+    assert printed[0] == "### mini: accuracy (3 problems)"
+    rows = {line.split(" | ")[0]: line for line in printed if line.startswith("| full |") or "streaming_llm" in line}
+    assert len(rows) == 2
+    for policy, row in rows.items():
+        mine = [r for r in recs if f"| {r['policy']}" == policy]
+        held, full = (sum(r[k] for r in mine) / len(mine) for k in ("kv_bytes", "kv_bytes_full"))
+        ratio = 1.0 if policy == "| full" else full / held
+        assert f"| budget 24 | {ratio:.2f}x | {100 * sum(r['correct'] for r in mine) / 3:.1f} ± " in row
+        assert f"| {held / 2**20:.2f} | {full / 2**20:.2f} |" in row
+        assert row.endswith("| 3 |")  # completions
+    report = write_report(out, tmp_path / "report").read_text()
+    assert "\n".join(printed[:-1]) in report, "the same table as the report's"
+    assert printed[-1] == f"[vase] records in {out / 'records.jsonl'}; notes and plots: vase report {out}"

@@ -15,7 +15,7 @@ from vase.harness.fidelity import summarize
 from vase.harness.plots import POLICY_COLORS, policy_styles
 from vase.harness.ranking import size_label
 from vase.harness.report import write_report
-from vase.harness.stats import kl_text, mean_se, paired_diff, pm, rank
+from vase.harness.stats import kl_text, mean_se, paired_diff, pct_text, pm, rank
 
 # Four sources of 64 + 448 = 512 tokens. At 4x the budget is 128 (compression 4.0); at 8x the floor sinks + buffer + 1
 # = 69 gives compression 512 / 69 = 7.42, 7% short of the 8x asked.
@@ -161,6 +161,30 @@ def test_report_header_tables_paired_differences_and_verdicts(tmp_path):
         "sinks − 64 buffer), fewer than a quarter: small runs are dominated by the buffer"
     ) in text
     assert "**Warning**, 4x" not in text
+
+
+def test_perplexity_change_over_two_sources_keeps_its_standard_error(tmp_path):
+    """Two sources whose perplexity changes differ (0.01 % and 0.07 %): mean 0.04 %, standard error = sample standard
+    deviation / √2 = half their difference, 0.03 %; the table gives both instead of rounding them to 0.0."""
+    recs = []
+    for src, ppl, top1 in (("s0", 0.0001, 0.9999), ("s1", 0.0007, 0.9995)):
+        for policy in ("full", "h2o"):
+            change, agree = (0.0, 1.0) if policy == "full" else (ppl, top1)
+            bucket = {"start": 0, "end": 448, "kl": 1e-4, "top1": agree}
+            recs.append(
+                dict(source=src, policy=policy, budget=256, ratio=2.0, compression=2.0, prompt_tokens=64, tokens=448,
+                     kl_mean=0.0 if policy == "full" else 1e-4, top1=agree, ppl_change=change, buckets=[bucket])
+            )  # fmt: skip
+    row = {r["policy"]: r for r in summarize(recs)}["h2o"]
+    assert row["ppl_change"] == pytest.approx(0.04) and row["ppl_change_se"] == pytest.approx(0.03)
+    assert row["top1_se"] == pytest.approx(0.02)
+    text = write_report(fid_dir(tmp_path, recs), tmp_path / "out").read_text()
+    assert "| h2o | +0.040 ± 0.030 |" in text and "| full | +0.0 ± 0.0 |" in text  # perplexity change, %
+    assert "| h2o | 100.0 ± 0.020 |" in text  # top-1 agreement, %: 99.97
+    assert [pct_text(x) for x in (0.9129, 0.03, 0.0012, 5e-4, 0.0, 1e-13, math.nan)] == [
+        "0.9", "0.030", "0.0012", "5.0e-04", "0.0", "0.0", "—"
+    ]  # fmt: skip
+    assert (pct_text(-0.04, signed=True), pct_text(2.44, signed=True)) == ("-0.040", "+2.4")
 
 
 def test_report_against_a_chosen_reference(tmp_path):

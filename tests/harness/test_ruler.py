@@ -105,6 +105,35 @@ def test_word_tasks_count_what_they_ask(embedded):
     assert all(f"VAR {b} = VAR {a}." in vt.question for a, b in zip(names, names[1:]))
 
 
+@pytest.mark.parametrize("length", ["256", "512", "1k"])
+def test_frequent_words_have_no_ties(embedded, length):
+    """The three answer words of `fwe` have strictly decreasing counts in the coded text, each above every other
+    word's: with a tie, another word would be as right as the reference (at 256 tokens, 6 of 20 problems had one)."""
+    problems = ruler.problems(f"ruler:fwe@{length}", embedded.tokenizer, count=20)
+    for p in problems:
+        coded = re.search(r"coded words\.\n(.*)\nQuestion:", p.question).group(1).split()
+        top = ruler.references(p.answer)
+        counts = [coded.count(w) for w in top]
+        others = [coded.count(w) for w in set(coded) - set(top)]
+        assert len(top) == 3 and counts[0] > counts[1] > counts[2] > max(others, default=0) >= 0, (p.id, counts)
+    assert problems == ruler.problems(f"ruler:fwe@{length}", embedded.tokenizer, count=20), "the same every run"
+
+
+def test_frequent_word_ties_are_broken_by_recoding():
+    """Ties among the top words are broken by recoding other words into the answer words (same length); with too few
+    other words, the missing occurrences are inserted."""
+    import random
+
+    vocab = ["a", "b", "c", "d", "e"]
+    draws = ["a"] * 6 + ["b"] * 3 + ["c"] * 3 + ["d"] * 3 + ["e"] * 2
+    ruler._strict_top(draws, vocab, random.Random(0))
+    counts = [draws.count(w) for w in vocab]
+    assert len(draws) == 17 and counts[:3] == [6, 5, 4] and counts[3] + counts[4] == 2, counts
+    draws = ["a"] * 20 + ["b"] * 10
+    ruler._strict_top(draws, vocab, random.Random(0))
+    assert len(draws) == 31 and [draws.count(w) for w in vocab] == [20, 10, 1, 0, 0]
+
+
 def test_follow_up_question_continues_the_cache(embedded):
     """Written then asked on one cache: with a budget that never evicts, the answers equal plain transformers doing
     the same two turns on a DynamicCache; a row's answer is the same in a batch (questions of other lengths) and

@@ -452,6 +452,45 @@ def test_replay_chunks_equal_token_by_token(spec, qlimit):
     assert cache.seq.schedule.qlimit[0] == qlimit and cache.fill[0] == (26 if cfg.policy.evicts else 90)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    ["vase:kv_bits=4:kv_window=8", "vase:kv_bits=4", "full:kv_bits=2:kv_window=4", "h2o:kv_bits=8:kv_window=8"],
+)
+def test_a_chunked_prompt_quantizes_as_a_whole_one(spec):
+    """A 40-token prompt fed whole quantizes two blocks of 16 at once, fed in 8 chunks of 5 one block at a time: the
+    key channel factors (from the first block) are the same, and so are layer 0's codes, scales and full-precision
+    window (its keys and values are projections of the tokens alone). Deeper layers' later tokens differ by what the
+    chunked prefill's attention read from the quantized first block, so there only the factors and the first block's
+    codes are compared. In float64 so that both paths compute the same keys."""
+    model = tiny_model("qwen3").double()
+    ids = random_ids(40, seed=4)
+    caches = []
+    for chunks in (1, 8):
+        cache = vase.EvictingCache(model, policy=f"{spec}:kv_group={GROUP}", budget=64, buffer=16)
+        with torch.no_grad():
+            for part in ids.chunk(chunks, dim=1):
+                model(input_ids=part, **cache_kwargs(cache))
+        caches.append(cache)
+    whole, chunked = caches
+    window = whole.config.kv_window
+    q = whole.seq.schedule.qlimit[0]
+    assert q == chunked.seq.schedule.qlimit[0] == (40 - window) // 16 * 16 >= 32  # two blocks or more
+    assert whole.fill == chunked.fill == [40] and whole.stats().evictions == chunked.stats().evictions == 0
+    for i, (a, b) in enumerate(zip(whole.layers, chunked.layers)):
+        sa, sb = a.storage, b.storage
+        assert bool(sa.qmask[0, :, :q].all()) and torch.equal(sa.qmask, sb.qmask)
+        assert not torch.equal(sa.kf, torch.ones_like(sa.kf))
+        torch.testing.assert_close(sa.kf, sb.kf, rtol=1e-6, atol=0)  # up to 0.95 apart when fixed on 16 vs 32 tokens
+        upto = q if i == 0 else 16
+        for name in ("kq", "ks", "kz", "vq", "vs", "vz"):
+            assert torch.equal(getattr(sa, name)[:, :, :upto], getattr(sb, name)[:, :, :upto]), (i, name)
+        if i == 0:
+            p = sa.protected.shape[2]
+            for name in ("fp_k", "fp_v"):
+                held_a, held_b = getattr(sa, name)[:, :, p : p + 40 - q], getattr(sb, name)[:, :, p : p + 40 - q]
+                assert torch.equal(held_a, held_b), name
+
+
 def test_full_quantizes_in_blocks_of_buffer():
     """full:kv_bits keeps every token; everything older than its recent window is quantized, in blocks of buffer."""
     model = tiny_model("llama")

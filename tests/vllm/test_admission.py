@@ -119,7 +119,12 @@ def _engine(tp=1, pp=1, kv_heads=3, prefix=False, hybrid=False):
             tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=1, worker_cls=WORKER_CLS
         ),
         model_config=NS(
-            get_total_num_kv_heads=lambda: kv_heads, is_hybrid=hybrid, is_attention_free=False, is_encoder_decoder=False
+            get_total_num_kv_heads=lambda: kv_heads,
+            get_head_size=lambda: 64,
+            hf_text_config=NS(layer_types=None, sliding_window=None, num_hidden_layers=2),
+            is_hybrid=hybrid,
+            is_attention_free=False,
+            is_encoder_decoder=False,
         ),
         speculative_config=None,
         use_v2_model_runner=False,
@@ -142,3 +147,30 @@ def test_engine_rules_name_each_broken_rule():
     assert "state-space or linear-attention" in " ".join(check_engine(_engine(hybrid=True), vase_cfg))
     assert "compresses prompts at prefill" in " ".join(check_engine(_engine(prefix=True), vase_cfg))
     assert check_engine(_engine(prefix=True), paper) == []
+
+
+def test_learned_weights_for_another_shape_are_refused_by_the_engine_rules(tmp_path):
+    """A learned scorer's weights are checked against the model when the engine starts, before its weights load (the
+    config names the full-attention layers), with the transformers cache's rule and message: weights for fewer KV
+    heads (a worker would broadcast them) or missing a layer (it would fail at that layer's first eviction) are
+    refused; weights of the model's shape pass."""
+    from tests.core.test_learned import _weights
+    from vase.vllm.rules import check_engine, full_attention_layers
+
+    engine = _engine(kv_heads=2)  # 2 layers of full attention, 2 KV heads of dim 64
+    for layers, heads, words in (
+        ((0, 1), 1, "with 2 evicting layers x 1 KV heads x head_dim 64; this model has 2 x 2 x 64"),
+        ((0,), 2, "with 1 evicting layers x 2 KV heads x head_dim 64; this model has 2 x 2 x 64"),
+    ):
+        path = _weights(layers=layers, kv_heads=heads, head_dim=64).save(tmp_path / f"{len(layers)}-{heads}.pt")
+        config, _ = parse(f"learned:weights={path}:window=64:budget=128")
+        problems = check_engine(engine, config)
+        assert len(problems) == 1 and words in problems[0] and "vase train-scorer" in problems[0], problems
+    good = _weights(layers=(0, 1), kv_heads=2, head_dim=64).save(tmp_path / "good.pt")
+    assert check_engine(engine, parse(f"learned:weights={good}:window=64:budget=128")[0]) == []
+    assert check_engine(engine, parse("learned:budget=128")[0]) == []  # the prior: no weights to check
+    from types import SimpleNamespace as NS
+
+    hybrid = NS(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=32, num_hidden_layers=4)
+    assert full_attention_layers(hybrid) == [1, 3]
+    assert full_attention_layers(NS(layer_types=None, sliding_window=64, num_hidden_layers=4)) is None

@@ -110,6 +110,67 @@ def test_only_the_global_layers_evict_and_tokens_equal_vase_on_transformers(hybr
     assert worker["rows_evicted"] >= 2 and worker["max_blocks_per_row"] <= cap and sched["max_over_cap"] <= 0
 
 
+# ------------------------------------------------------------------------- prefix caching on a hybrid model
+PREFIX_NEW, PREFIX_BUFFER = 64, 64  # observation window 64: the hit is cut by whole blocks below vLLM's own
+
+
+@pytest.fixture(scope="module")
+def gemma_long_prompt(gemma):
+    """A prompt of 1,500 tokens: far past the sliding window (512), so a prefix-cache hit of the sliding-window
+    groups is null blocks followed by the last window's real blocks."""
+    from tests.hf.test_gemma3 import TEXT
+
+    ids = gemma.tokenizer(" ".join([TEXT] * 3)).input_ids[:1500]
+    assert len(ids) == 1500, len(ids)
+    return list(ids)
+
+
+@pytest.fixture(scope="module")
+def gemma_prefix(gemma_long_prompt, tmp_path_factory):
+    """The same long prompt twice (the second after the first has finished), engines one after another: the
+    published preset (budget 128, buffer 64) and a budget above the length, each with prefix caching on, and
+    engines without it (a fresh engine's tokens)."""
+    kw = {"max_model_len": 2048, "max_num_batched_tokens": 2048}
+    paper = {"policy": "vase:preset=paper", "budget": BUDGET, "buffer": PREFIX_BUFFER, "sinks": SINKS}
+    big = {**paper, "budget": 2048}
+    engines = [
+        {
+            "name": "paper_cached",
+            "vase": {**paper, "prefix_caching": True},
+            "kw": {**kw, "enable_prefix_caching": True},
+        },
+        {"name": "paper_fresh", "vase": {**paper, "prefix_caching": False}, "kw": kw},
+        {"name": "big_cached", "vase": {**big, "prefix_caching": True}, "kw": {**kw, "enable_prefix_caching": True}},
+        {"name": "plain_fresh", "vase": None, "kw": kw},
+    ]
+    job = {
+        "model": str(GEMMA_DIR),
+        "prompts": [gemma_long_prompt, gemma_long_prompt],
+        "join_steps": [0, PREFIX_NEW + 4],
+        "max_tokens": PREFIX_NEW,
+        "engines": engines,
+    }
+    return _run_script("prefix", job, tmp_path_factory.mktemp("gemma-prefix"))
+
+
+def test_a_prefix_cache_hit_on_a_hybrid_model_leaves_no_hole_in_the_window(gemma_prefix, gemma_long_prompt):
+    """Gemma 3 270M, a 1,400+-token prompt twice with prefix caching on: the second request's hit is cut below
+    vLLM's own by the observation window, in every KV cache group as vLLM would make a hit of that length (the
+    sliding-window groups' real blocks cover the window of every token computed after the hit, no null block where
+    a token reads), so its tokens are those of an engine without prefix caching, for the published preset (evicting)
+    and for a budget above the length (no eviction: plain vLLM's tokens)."""
+    res = gemma_prefix
+    hit = (len(gemma_long_prompt) - PREFIX_BUFFER) // 32 * 32
+    for cached, fresh in (("paper_cached", "paper_fresh"), ("big_cached", "plain_fresh")):
+        on, off = res[cached], res[fresh]
+        assert on["cached"]["p1"] > 0 and on["cached"]["p1"] <= hit, (cached, on["cached"], hit)
+        assert on["tokens"] == off["tokens"], (cached, on["tokens"], off["tokens"])
+        assert on["free_blocks"] == on["pool_blocks"]
+    assert res["paper_cached"]["stats"]["worker"]["rows_evicted"] >= 2
+    assert res["big_cached"]["stats"]["worker"]["rows_evicted"] == 0
+    assert res["paper_fresh"]["tokens"]["p0"] != res["plain_fresh"]["tokens"]["p0"]  # eviction changed something
+
+
 # ------------------------------------------------------------------------------------ a gpt-oss-shaped model
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):

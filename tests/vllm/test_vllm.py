@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -219,15 +220,24 @@ def test_engine_args_and_policy_rules():
     # prefix caching: on by default for a policy that keeps the prompt dense, refused for one that compresses it
     assert vase.vllm.engine_args("vase:preset=paper", budget=128, buffer=32)["enable_prefix_caching"] is True
     assert vase.vllm.engine_args("full")["enable_prefix_caching"] is False
-    with pytest.raises(vase.vllm.VaseConfigError, match="prefix caching needs a policy that keeps the prompt dense"):
+    with pytest.raises(vase.vllm.VaseConfigError, match="this policy compresses prompts at prefill"):
         vase.vllm.engine_args("snapkv", budget=128, prefix_caching=True)
-    for spec, words in [
+    for spec, words in [  # refused when parsed, before any engine starts: one line
         ("snapkv:head_budget=adakv:budget=128", "one length per request"),
         ("snapkv:layer_budget=pyramid:budget=128", "one length per request"),
         ("quest:budget=128", "selection policy 'quest'"),
+        ("vase:budget=256:buffer=64:kv_bits=4", "option(s) kv_bits: quantized entries (kv_bits) are not supported"),
     ]:
-        assert words in " ".join(check_policy(parse(spec)[0])), spec
+        with pytest.raises(vase.vllm.VaseConfigError, match=re.escape(words)):
+            parse(spec)
+        with pytest.raises(vase.vllm.VaseConfigError, match=re.escape(words)):
+            vase.vllm.engine_args(spec)
     assert check_policy(parse("h2o:budget=128")[0]) == []
+    with pytest.raises(vase.vllm.VaseConfigError, match="valid options in vLLM: admission,") as unknown:
+        parse("vase:budget=128:bogus=1")
+    assert "kv_bits" not in str(unknown.value)  # what vLLM does not take is not listed as valid
+    with pytest.raises(vase.vllm.VaseConfigError, match="block_size 16: the CPU attention kernel needs a multiple"):
+        vase.vllm.engine_args("vase", budget=128, block_size=16)
 
 
 def test_serve_argv_fills_in_the_engine_flags():
@@ -246,6 +256,32 @@ def test_serve_argv_fills_in_the_engine_flags():
         server_argv(["/m"])
     with pytest.raises(VaseConfigError, match="unknown policy"):
         server_argv(["/m", "--vase", "nope"])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--vase", "quest:budget=256"], "selection policy 'quest'"),
+        (["--vase", "vase:budget=256:buffer=64:kv_bits=4"], "option(s) kv_bits: quantized entries"),
+        (["--vase", "vase:budget=256:buffer=64", "--block-size", "16"], "block_size 16: the CPU attention kernel"),
+        (["--vase", "tova:budget=256", "--tensor-parallel-size", "2"], "tova's score is reduced over every KV head"),
+        (["--vase", "vase:budget=256", "-pp", "2"], "pipeline parallelism is not supported"),
+        (["--vase", "snapkv:budget=256", "--enable-prefix-caching"], "this policy compresses prompts at prefill"),
+        (["--vase", "vase:budget=256", "--kv-cache-dtype", "fp8"], "kv_cache_dtype 'fp8'"),
+        (["--vase", "vase:budget=256", "--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+    ],
+)
+def test_the_server_checks_every_engine_rule_before_vllm_starts(args, words):
+    """Each rule that needs no model is checked by the wrapper before vLLM is imported: one line on stderr, exit
+    code 2 (the wrapper runs here, in the main environment, where vLLM is not installed)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "vase.vllm.serve", "/no/model/needed", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
 
 
 def test_worker_state_rows_seeds_and_limits():
@@ -329,6 +365,20 @@ def prefix_prompts(hf_model):
     return [list(tok.encode(c, add_special_tokens=False)) for c in chats]
 
 
+def _learned_cases(folder: Path) -> dict:
+    """Learned-scorer specs whose weights do not fit the embedded model (30 layers x 3 KV heads x head_dim 64):
+    weights for 1 KV head (which a worker would broadcast over 3), weights missing the last layer (which would
+    fail at that layer's first eviction inside a running engine)."""
+    from tests.core.test_learned import _weights
+
+    one_head = _weights(layers=range(30), kv_heads=1, head_dim=64).save(folder / "one-head.pt")
+    missing = _weights(layers=range(29), kv_heads=3, head_dim=64).save(folder / "29-layers.pt")
+    return {
+        f"learned_{name}": f"learned:weights={path}:window=64:budget=128:buffer=16"
+        for name, path in (("one_head", one_head), ("missing_layer", missing))
+    }
+
+
 def _run_script(name: str, job: dict, folder: Path) -> dict:
     (folder / f"{name}.job.json").write_text(json.dumps(job))
     out = folder / f"{name}.json"
@@ -399,7 +449,16 @@ def scenarios(model_dir, prompts, prefix_prompts, tmp_path_factory):
                 for name, pc in (("cached", True), ("uncached", False))
             ],
         },
-        "badcfg": {"model": model},
+        "badcfg": {"model": model, "learned": _learned_cases(folder)},
+        "replays": {
+            "model": model,
+            "paper": {**PAPER, "min_budget": PAPER["budget"]},  # admitted at their budget: their tokens alone
+            "long": prefix_prompts[0],
+            "short": prompts[0],
+            "max_tokens": NEW,
+            # a's dense prompt and b's cap fit, c's not until a gives its dense prompt's blocks back
+            "blocks": {"plain": 15, "cached": 18},
+        },
     }
     pool = ThreadPoolExecutor(max_workers=1)
     futures = {name: pool.submit(_run_script, name, job, folder) for name, job in jobs.items()}
@@ -726,6 +785,39 @@ def test_prefix_caching_shares_prompt_blocks_and_changes_no_token(runs, prefix_p
 
 
 @needs_vllm
+@pytest.mark.parametrize("variant", ["plain", "cached"])
+def test_a_deferred_eviction_never_reads_blocks_handed_to_another_request(runs, variant):
+    """Replay: ``a`` (a dense prompt, the published preset, prefix caching off or on) reaches its first eviction,
+    which waits (deferred); ``b`` arrives at the next step and is prefilled alone while ``a`` sits out
+    (``prefill_priority``), ``c`` one step later on a pool that holds it only once ``a`` gives back its dense prompt's
+    blocks. At every step no block is held by two requests and no block a waiting eviction will read belongs to
+    another request; every request's tokens are its tokens alone; every block comes back."""
+    res = _result(runs, "replays")[f"deferred_{variant}"]
+    waited = res["waited"]
+    assert waited is not None and res["added"]["b"] == waited and res["started"]["b"] == waited + 1, res
+    assert res["shared"] == 0 and res["stale_reads"] == 0
+    assert res["tokens"] == res["alone"] and len(res["tokens"]) == 3
+    sched = res["stats"]["scheduler"]
+    assert sched["prefill_alone"] >= 1 and sched["trimmed"] >= 1 and sched["preemptions"] == 0, sched
+    assert res["free_blocks"] == res["pool_blocks"]
+
+
+@needs_vllm
+def test_prompt_blocks_given_back_early_keep_their_contents(runs, prefix_prompts):
+    """Replay, prefix caching on: a request's full prompt blocks go back to the prefix cache at its first eviction;
+    five evictions later their contents are unchanged in every layer (no compaction wrote to a block a hash names)
+    and still cached; a request with the same prompt hits them (up to the prompt less the observation window) and
+    gets the tokens of an engine without prefix caching."""
+    res = _result(runs, "replays")["early_return"]
+    front = len(prefix_prompts[0]) // 32
+    assert res["front_blocks"] == front and res["returned_at_step"] is not None
+    assert res["evictions"] >= res["evictions_when_returned"] + 4
+    assert res["unchanged"] and res["still_cached"] == front
+    assert res["q_hit"] == (len(prefix_prompts[0]) - PAPER["buffer"]) // 32 * 32
+    assert res["q_tokens"] == res["q_fresh"]
+
+
+@needs_vllm
 @pytest.mark.parametrize(
     "case, words",
     [
@@ -743,6 +835,8 @@ def test_prefix_caching_shares_prompt_blocks_and_changes_no_token(runs, prefix_p
         ("no_classes", "scheduler_cls="),
         ("speculative", "speculative"),
         ("sliding_model", "sliding-window"),
+        ("learned_one_head", "x 1 KV heads x head_dim 64; this model has 30 x 3 x 64"),
+        ("learned_missing_layer", "with 29 evicting layers x 3 KV heads x head_dim 64; this model has 30 x 3 x 64"),
     ],
 )
 def test_bad_configurations_refused_at_start(runs, case, words):
@@ -750,6 +844,18 @@ def test_bad_configurations_refused_at_start(runs, case, words):
     assert res["good"]["error"] is None
     assert res[case]["error"] is not None, f"{case}: the engine started"
     assert words in res[case]["message"], res[case]
+
+
+@needs_vllm
+def test_server_help_lists_vllms_flags():
+    """``python -m vase.vllm.serve --help``: vase's own text (the pool, the flags it adds), then every flag of vLLM's
+    server, which the wrapper passes through."""
+    out = subprocess.run([str(VLLM_PY), "-m", "vase.vllm.serve", "--help"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "--vase SPEC" in text and "The KV cache pool." in text and "vLLM's flags" in text
+    for flag in ("--max-model-len", "--kv-cache-memory-bytes", "--tensor-parallel-size", "--port"):
+        assert flag in text.split("vLLM's flags", 1)[1], flag
 
 
 @needs_vllm
@@ -779,33 +885,64 @@ def _prometheus_values(text: str) -> dict[str, float]:
     return out
 
 
+def _prometheus_series(text: str, name: str) -> dict[str, float]:
+    """``{engine label: value}`` of the samples of metric ``name`` in a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(rf"{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            out[labels.get("engine", "")] = float(m.group(2))
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+SERVER_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
 @contextlib.contextmanager
 def _server(model_dir, spec: str, folder: Path, *flags: str):
-    """``python -m vase.vllm.serve`` (engine and worker in their own processes) on a free port, up and answering
-    ``/health``; yields ``(port, log path)`` and stops the server's whole process group after."""
-    port = _free_port()
-    env = {key: v for key, v in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        OMP_NUM_THREADS="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-    )
-    cmd = [
-        str(VLLM_PY), "-m", "vase.vllm.serve", str(model_dir), "--vase", spec, "--dtype", "float32", "--enforce-eager",
+    """``python -m vase.vllm.serve`` (engine and worker in their own processes, the tests' fast settings) on a free
+    port, up and answering ``/health``; yields ``(port, log path)`` and stops the server's whole process group
+    after."""
+    args = [
+        "-m", "vase.vllm.serve", str(model_dir), "--vase", spec, "--dtype", "float32", "--enforce-eager",
         "--max-model-len", "512", "--max-num-seqs", "8", "--no-enable-chunked-prefill", "--max-num-batched-tokens",
-        "512", "--port", str(port), "--seed", "0", *flags,
+        "512", "--seed", "0", *flags,
     ]  # fmt: skip
+    with _serving(args, folder, SERVER_ENV) as up:
+        yield up
+
+
+@contextlib.contextmanager
+def _serving(args: list[str], folder: Path, env_extra: dict, port: int | None = None):
+    """``.venv-vllm/bin/python ARGS --port PORT`` run from the project's root, up and answering ``/health``; yields
+    ``(port, log path)``. ``env_extra`` is added to the environment (this process's, less the in-process engine
+    switch; a value None removes the variable)."""
+    port = port or _free_port()
+    env = {key: v for key, v in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    for key, value in env_extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     log = folder / f"server-{port}.log"
     with open(log, "w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = subprocess.Popen(
+            [str(VLLM_PY), *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -898,7 +1035,11 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, hf_model, tmp_pa
             )
         assert evicted_at and ask(longest, 2 * BUDGET) == ref
         assert ask(prompts[k], "full") == offline["plain"]["outputs"][k]
-        for over, words in ((2 * BUDGET + 1, "above this engine's max_budget 96"), (8, "vase_budget 8: budget (8)")):
+        for over, words in (
+            (2 * BUDGET + 1, "above this engine's max_budget 96"),
+            (8, "vase_budget 8: budget (8)"),
+            (True, "vase_budget must be an integer number of tokens or 'full', got True"),  # not taken as 1
+        ):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 ask(prompts[k], over)
             assert refused.value.code == 400 and words in refused.value.read().decode()
@@ -912,11 +1053,49 @@ def test_server_answers_with_eviction(runs, model_dir, prompts, hf_model, tmp_pa
         assert metrics["vllm:generation_tokens_total"] == 6 * NEW  # vLLM's own metrics are still there
 
 
+def _documented(doc: str, marker: str) -> list[str]:
+    """The first command line of ``doc`` (under docs/, or the README) that contains ``marker``, split as a shell
+    does, its program (``.venv-vllm/bin/python``) left out."""
+    import shlex
+
+    path = ROOT / doc
+    for line in path.read_text().splitlines():
+        if marker in line and line.startswith(".venv-vllm/bin/python"):
+            return shlex.split(line.split("#", 1)[0])[1:]
+    raise AssertionError(f"no command with {marker!r} in {doc}")
+
+
+@needs_vllm
+def test_the_documented_server_command_starts_and_the_bench_client_runs(model_dir, tmp_path):
+    """The server command of docs/SERVING.md's quick start, as written (no pool set in the environment: the wrapper
+    chooses one and says which in its first lines), starts on this machine and answers; vLLM's own benchmark client,
+    as SERVING.md runs it (``python -m vase.vllm.bench``), measures it."""
+    args = _documented("docs/SERVING.md", "-m vase.vllm.serve build/vllm/smollm2")
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": None}
+    with _serving(args, tmp_path, env) as (port, log):
+        head = log.read_text().splitlines()[:4]
+        assert any(line.startswith("[vase] KV cache pool: ") and "GiB" in line for line in head), head
+        assert any("dtype bfloat16 (the model's own)" in line for line in head), head  # converted in the dtype served
+        assert "Attempted to load weight" not in log.read_text()  # no cast (and warning) per tensor
+        body = {"model": str(model_dir.relative_to(ROOT)), "prompt": "Once upon a time", "max_tokens": 32}
+        answer = _complete(port, {**body, "ignore_eos": True, "vllm_xargs": {"vase_seed": 7}})
+        assert answer["usage"]["completion_tokens"] == 32
+        client = _documented("docs/SERVING.md", "-m vase.vllm.bench")
+        client = [a if a != "8000" else str(port) for a in client]
+        client = [a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in client]
+        small = {"--num-prompts": "2", "--random-input-len": "16", "--random-output-len": "8"}
+        client = [small.get(prev, a) for prev, a in zip([None, *client], client)]
+        out = subprocess.run([str(VLLM_PY), *client], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "Successful requests:" in out.stdout and "Output token throughput (tok/s):" in out.stdout, out.stdout
+
+
 @needs_vllm
 def test_data_parallel_server_runs_the_plugin_on_each_engine(runs, model_dir, prompts, tmp_path):
     """``--data-parallel-size 2``: two engine cores, each with vase's scheduler and worker; requests sent at once are
     spread over them and each answer is the offline engine's evicted tokens; ``/metrics`` counts the evictions of
-    both."""
+    both, and its block gauges have one series per engine core (labelled ``engine``, as vLLM's own), each seen
+    above 0 while its core holds requests (one unlabelled gauge would show whichever core wrote last)."""
     offline = _result(runs, "exact")
     spec = f"streaming_llm:budget={BUDGET}:buffer={BUFFER}:sinks={SINKS}"
     with _server(model_dir, spec, tmp_path, "--data-parallel-size", "2") as (port, log):
@@ -927,8 +1106,16 @@ def test_data_parallel_server_runs_the_plugin_on_each_engine(runs, model_dir, pr
             "ignore_eos": True,
             "return_token_ids": True,
         }
+        seen: dict[str, float] = {}
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            answers = list(pool.map(lambda p: _complete(port, {**body, "prompt": p}), prompts))
+            futures = [pool.submit(_complete, port, {**body, "prompt": p}) for p in prompts]
+            while not all(f.done() for f in futures):  # scrape while both cores hold requests
+                scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+                for engine, held in _prometheus_series(scraped, "vase:kv_blocks_held").items():
+                    seen[engine] = max(seen.get(engine, 0.0), held)
+                time.sleep(0.2)
+            answers = [f.result() for f in futures]
+        assert set(seen) == {"0", "1"} and min(seen.values()) > 0, seen
         ids = [a["choices"][0]["token_ids"] for a in answers]
         assert ids == offline["streaming_llm"]["outputs"]
         text = log.read_text()

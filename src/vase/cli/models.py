@@ -45,7 +45,9 @@ def inspect(
 def convert(
     source: str = typer.Argument(..., help="smollm2 (embedded), gemma3-270m, a .gguf file, a model folder or a hub id"),
     out: Path = typer.Argument(..., help="folder to write (created)"),
-    dtype: str = typer.Option("float32", help="dtype of the saved weights: float32, bfloat16, float16"),
+    dtype: str = typer.Option(
+        "bfloat16", help="dtype of the saved weights: bfloat16 (what vLLM serves by default), float32, float16"
+    ),
 ):
     """Write a model as a folder vLLM loads (for vase inside vLLM, docs/SERVING.md): safetensors weights, the config
     with its architecture named, a tied embedding saved as the embedding, the tokenizer."""

@@ -70,7 +70,8 @@ def eval_cmd(
     attn: str = AttnOpt,
 ):
     """Accuracy sweep: policies x budgets/ratios x tasks x seeds, one JSONL record per completion; resumable."""
-    from ..harness.evaluate import EvalConfig, check_results_dir, parse_shard, run_sweep
+    from ..harness.evaluate import EvalConfig, all_records, check_results_dir, parse_shard, run_sweep
+    from ..harness.report import eval_summary
 
     set_threads()
     config = EvalConfig(
@@ -95,7 +96,9 @@ def eval_cmd(
     _check_sweep(config, batch_size, device)
     check_results_dir(out)
     path = run_sweep(config, out, shard=parse_shard(shard), batch_size=batch_size, device=device)
-    typer.echo(f"[vase] records in {path}; summary: vase report {out}")
+    # the score of every record in the folder (all its shards), as `vase report` counts them
+    typer.echo("\n".join(eval_summary(all_records(out))).rstrip())
+    typer.echo(f"[vase] records in {path}; notes and plots: vase report {out}")
 
 
 def _check_sweep(config, batch_size: int, device: str) -> None:

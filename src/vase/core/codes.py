@@ -15,7 +15,11 @@ arXiv 2405.14256, Sec. 4.2), and both parts share one softmax. The store is read
 Three implementations, one meaning (:func:`decode_attention` picks one):
 
 * ``cpp``: a C++ kernel for float32 on CPU (``kernels/codes_attention.cpp``), built once per machine with the
-  compiler PyTorch's extensions use (about 20 s, cached under ``~/.cache/torch_extensions``);
+  compiler PyTorch's extensions use (about 20 s, cached in PyTorch's extension folder: ``$TORCH_EXTENSIONS_DIR``, by
+  default ``~/.cache/torch_extensions/py<version>_cpu``, one subfolder per kernel version). The build runs in a
+  separate process, in a private folder, and its library is moved into place only once complete, so a build killed
+  part-way never blocks a later one; one that runs past ``$VASE_KERNEL_BUILD_TIMEOUT`` seconds (default 300) is
+  stopped and the torch path serves, with one warning;
 * ``triton``: the Triton kernel for CUDA (:mod:`vase.core.kernels.codes_triton`), one launch per layer for every row;
 * ``torch``: the same arithmetic in torch operations, block by block (any device and dtype; the fallback when no
   compiler is available, and the reference the kernels are tested against).
@@ -28,10 +32,18 @@ Which entries count (the validity rules every implementation applies): quantized
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +56,19 @@ _log = logging.getLogger("vase")
 _lock = threading.Lock()
 _cpp = None  # the built extension, False once a build failed
 _cpp_error = ""
+BUILD_TIMEOUT_S = 300.0
+"""Default of ``$VASE_KERNEL_BUILD_TIMEOUT``: seconds the C++ kernel's build may take (it takes about 20 s)."""
+
+# Run by the build process (python -c): torch's builder in a private folder, then the library moved into place in one
+# rename. Its own `lock` file is in the private folder, where no other build waits on it.
+_BUILD_SCRIPT = """
+import json, os, sys
+from torch.utils.cpp_extension import load
+a = json.loads(sys.argv[1])
+module = load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"], extra_ldflags=a["ldflags"],
+              build_directory=a["private"], verbose=False)
+os.replace(module.__file__, a["library"])
+"""
 
 
 def decode_attention(
@@ -177,25 +202,133 @@ def _extension():
             return _cpp or None
         source = Path(__file__).parent / "kernels" / "codes_attention.cpp"
         digest = hashlib.sha1(source.read_bytes() + _cpu_tag().encode() + torch.__version__.encode()).hexdigest()
+        name = f"vase_codes_{digest[:12]}"
+        timeout = build_timeout()
+        folder = None
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils import cpp_extension
 
-            _log.info("building vase's CPU kernel for attention over quantized codes (once per machine)")
-            flags = ["-O3", "-fopenmp", "-ffast-math"]
-            if platform.machine() in ("x86_64", "AMD64"):
-                flags.append("-march=native")
-            _cpp = load(
-                name=f"vase_codes_{digest[:12]}",
-                sources=[str(source)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no headers: the torch path serves instead
+            folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+            _cpp = _load_or_build(name, source, folder, timeout)
+        except Exception as exc:  # no compiler, no headers, a build past its time: the torch path serves instead
             _cpp = False
-            _cpp_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            _log.warning("vase's CPU kernel could not be built (%s); attention over codes uses torch", _cpp_error)
+            text = str(exc).strip()
+            _cpp_error = f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+            where = folder if folder is not None else "$TORCH_EXTENSIONS_DIR's vase_codes_* folder"
+            _log.warning(
+                "vase's CPU kernel could not be built (%s); attention over codes uses torch. The next run builds it "
+                "again; to rebuild from scratch delete %s, or set VASE_KERNEL_BUILD_TIMEOUT above %g s or "
+                "TORCH_EXTENSIONS_DIR to another folder",
+                _cpp_error,
+                where,
+                timeout,
+            )
     return _cpp or None
+
+
+def build_timeout() -> float:
+    """Seconds the C++ kernel's build may take: ``$VASE_KERNEL_BUILD_TIMEOUT``, else :data:`BUILD_TIMEOUT_S`.
+
+    Raises:
+        ValueError: a value that is not a positive number of seconds.
+    """
+    raw = os.environ.get("VASE_KERNEL_BUILD_TIMEOUT", "").strip()
+    if not raw:
+        return BUILD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"VASE_KERNEL_BUILD_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _load_or_build(name: str, source: Path, folder: Path, timeout: float):
+    """The kernel's module from ``folder/<name>.so``, built there first when it is missing or does not load.
+
+    The build runs in a separate process (its own session, so that a timeout stops the compiler too) in a private
+    folder inside ``folder``; the finished library is renamed into place, so ``folder`` never holds a partial one nor
+    a ``lock`` a killed build left behind (torch's builder waits on such a lock for ever).
+
+    Raises:
+        TimeoutError: the build ran past ``timeout`` seconds. RuntimeError: the build failed (its last error line).
+    """
+    from torch.utils import cpp_extension
+
+    library = folder / f"{name}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+    if library.is_file():
+        try:
+            return _import(name, library)
+        except ImportError:  # a library an older build left incomplete: built again below
+            pass
+    _remove_stale_builds(folder, timeout)
+    _log.info("building vase's CPU kernel for attention over quantized codes (once per machine)")
+    flags = ["-O3", "-fopenmp", "-ffast-math"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    private = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
+    args = {
+        "name": name,
+        "sources": [str(source)],
+        "cflags": flags,
+        "ldflags": ["-fopenmp"],
+        "private": str(private),
+        "library": str(library),
+    }
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise TimeoutError(f"the build ran past {timeout:g} s") from None
+        if proc.returncode:
+            lines = [line for line in err.strip().splitlines() if line.strip()]
+            raise RuntimeError(lines[-1] if lines else f"the build exited with status {proc.returncode}")
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return _import(name, library)
+
+
+def _import(name: str, library: Path):
+    """The extension module in ``library`` (as torch's builder imports it)."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop a build process and the compiler it started (its process group), and reap it."""
+    try:
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except OSError:  # already gone
+        pass
+    proc.communicate()
+
+
+def _remove_stale_builds(folder: Path, timeout: float) -> None:
+    """Remove the private folders of builds that were killed (older than twice the build timeout: a live build is
+    stopped at its timeout)."""
+    limit = time.time() - 2 * timeout
+    for old in folder.glob(".build-*"):
+        try:
+            if old.stat().st_mtime < limit:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # removed by another process meanwhile
+            pass
 
 
 def decode_attention_torch(

@@ -187,6 +187,15 @@ class Policy:
         return self.evicts and (heads != "uniform" or layers != "uniform" or self.confidence_budget)
 
     @property
+    def per_kv_head(self) -> bool:
+        """Whether every choice of a KV head reads that head alone (its keys, values and GQA group of queries): what
+        lets a tensor-parallel worker holding some of a layer's heads choose as one worker holding them all. False
+        for a score reduced over the layer's heads (TOVA's mean over every head) and for AdaKV's layer-wide top-k."""
+        if not self.evicts:
+            return True
+        return self.scorer.per_kv_head and self.options.get("head_budget", "uniform") == "uniform"
+
+    @property
     def confidence_budget(self) -> bool:
         """Whether each eviction's count follows the model's confidence (``step_budget='confidence'``)."""
         return self.evicts and self.options.get("step_budget", "fixed") == "confidence"

@@ -17,8 +17,9 @@ few key channels hold much larger magnitudes than the others. An evicting cache 
 compaction (the kept ones are gathered to the front, in position order), and eviction breaks any group of tokens
 that shared a per-channel scale: either every kept token is re-quantized at every compaction (its error grows with
 each one) or each group's scales must outlive the group. Here each key is first divided by a fixed per-channel factor
-(the largest magnitude of that channel over the tokens of its sequence at its first quantization, per layer and KV
-head: :func:`channel_scale`), then quantized per token in groups of ``group`` channels. The channel factor takes out
+(the largest magnitude of that channel, per layer and KV head, over the entries its row quantizes first: what it
+keeps when that is a compaction, else its first ``buffer`` tokens, the same block however the prompt was chunked:
+:func:`channel_scale`), then quantized per token in groups of ``group`` channels. The channel factor takes out
 the outlier channels, as KIVI's per-channel grouping does, while every scale belongs to one token: its codes and
 scales move with it and are never re-quantized (the channel-separable scheme of ZipCache, He et al. 2024, arXiv
 2405.14256, Sec. 4.2). **Values: per token**, in groups of ``group`` channels, as KIVI.

@@ -119,6 +119,9 @@ class Scorer:
     window: int = 0
     state_names: tuple[str, ...] = ()
     memo_names: tuple[tuple[str, int], ...] = ()
+    # whether a KV head's scores read that head (and its GQA group of query heads) alone: False for a score reduced
+    # over every head of the layer (TOVA), which a tensor-parallel worker holding some of the heads cannot compute
+    per_kv_head: bool = True
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
         """Scores ``[b, H, S]`` float32 for every slot of ``ctx`` (only candidates are used); higher = keep."""
@@ -321,6 +324,7 @@ class WindowAttention(Scorer):
         if not float(attention_temperature) > 0:
             raise ValueError(f"attention_temperature must be > 0, got {attention_temperature}")
         self.window, self.kernel, self.pool, self.head_reduce = window, kernel, pool, head_reduce
+        self.per_kv_head = head_reduce != "layer"
         self.softmax, self.pool_edge, self.pool_order = softmax, pool_edge, pool_order
         self.attention_temperature = float(attention_temperature)
         self.value_weight = value_weight

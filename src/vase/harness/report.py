@@ -19,7 +19,7 @@ from pathlib import Path
 from ..core.sizes import DEFAULT_SINKS
 from .plots import eval_figure, fidelity_figure, save
 from .ranking import compression, fidelity_sizes, policy_order, references, size_label, winner_line
-from .stats import kl_text, paired_diff, paired_text, pm
+from .stats import kl_text, paired_diff, paired_text, pct_text, pm
 
 MIB = 2.0**20
 
@@ -38,8 +38,8 @@ def _pct(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
-def _signed1(x: float) -> str:
-    return f"{x:+.1f}"
+def _signed_pct(x: float) -> str:
+    return pct_text(x, signed=True)
 
 
 def _one(x: float) -> str:
@@ -88,27 +88,7 @@ def eval_section(records: list[dict], out: Path, config: dict | None = None) -> 
     buffer = (config or {}).get("buffer")
     for task in sorted({r["task"] for r in rows}):
         trows = [r for r in rows if r["task"] == task]
-        n_problems = max(r["problems"] for r in trows)
-        scored = all(r.get("score") is not None for r in trows)
-        lines += [
-            f"### {task}: accuracy ({n_problems} problems)",
-            "",
-            "| policy | cache size | compression | pass@1 (%) |"
-            + (" score (%) |" if scored else "")
-            + " loop rate (%) | paper regex loop rate (%) | cut at limit (%) | mean tokens | KV held (MiB) "
-            "| full cache (MiB) | completions |",
-            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if scored else ""),
-        ]
-        for r in sorted(trows, key=lambda r: (r["policy"] != "full", r["policy"], r.get("ratio") or 0, r["budget"])):
-            score = f" {pm(r['score'], r['score_se'], _one)} |" if scored else ""
-            lines.append(
-                f"| {r['policy']} | {_fmt_size(r)} | {compression(r):.2f}x | {pm(r['pass1'], r['se'], _one)} |{score} "
-                f"{pm(r['loop_rate'], r.get('loop_se', math.nan), _one)} | {_pct(r['paper_loop_rate'])} | "
-                f"{_pct(r['limit_rate'])} | "
-                f"{r['mean_tokens']:.0f} | {r['kv_bytes'] / MIB:.2f} | {r['kv_bytes_full'] / MIB:.2f} | "
-                f"{r['completions']} |"
-            )
-        lines.append("")
+        lines += accuracy_table(trows) + [""]
         for budget in sorted({r["budget"] for r in trows if r["policy"] != "full"}):
             warn = buffer_warning(f"budget {budget}", budget, buffer, _sinks(config))
             if warn:
@@ -128,6 +108,48 @@ def eval_section(records: list[dict], out: Path, config: dict | None = None) -> 
         name = "eval_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", task) + ".png"  # ruler:niah@4k: no colon in a file name
         save(fig, out / name)
         lines += [f"![{task} accuracy and loop rate]({name})", ""]
+    return lines
+
+
+def accuracy_table(rows: list[dict]) -> list[str]:
+    """The accuracy table of one task, as the report gives it: a title, then a row per policy and size (compression,
+    pass@1 ± standard error, score ± standard error for synthetic tasks, loop rates, share cut by the token limit,
+    mean tokens, KV memory held and a full cache's in MiB, completions). ``rows``: :func:`vase.harness.evaluate.
+    summarize`'s rows of that one task."""
+    task = rows[0]["task"]
+    n_problems = max(r["problems"] for r in rows)
+    scored = all(r.get("score") is not None for r in rows)
+    lines = [
+        f"### {task}: accuracy ({n_problems} problems)",
+        "",
+        "| policy | cache size | compression | pass@1 (%) |"
+        + (" score (%) |" if scored else "")
+        + " loop rate (%) | paper regex loop rate (%) | cut at limit (%) | mean tokens | KV held (MiB) "
+        "| full cache (MiB) | completions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if scored else ""),
+    ]
+    for r in sorted(rows, key=lambda r: (r["policy"] != "full", r["policy"], r.get("ratio") or 0, r["budget"])):
+        score = f" {pm(r['score'], r['score_se'], _one)} |" if scored else ""
+        lines.append(
+            f"| {r['policy']} | {_fmt_size(r)} | {compression(r):.2f}x | {pm(r['pass1'], r['se'], _one)} |{score} "
+            f"{pm(r['loop_rate'], r.get('loop_se', math.nan), _one)} | {_pct(r['paper_loop_rate'])} | "
+            f"{_pct(r['limit_rate'])} | "
+            f"{r['mean_tokens']:.0f} | {r['kv_bytes'] / MIB:.2f} | {r['kv_bytes_full'] / MIB:.2f} | "
+            f"{r['completions']} |"
+        )
+    return lines
+
+
+def eval_summary(records: list[dict]) -> list[str]:
+    """What ``vase eval`` prints when it ends: the tables :func:`eval_section` opens with (the synthetic tasks'
+    score table when any task has scores, then each task's accuracy table), without the notes and plots. Empty for
+    no records."""
+    from .evaluate import summarize
+
+    rows = summarize(records)
+    lines = scores_table(rows)
+    for task in sorted({r["task"] for r in rows}):
+        lines += accuracy_table([r for r in rows if r["task"] == task]) + [""]
     return lines
 
 
@@ -201,8 +223,15 @@ def fidelity_section(
     warnings = [w for w in warnings if w]
     for title, key, fmt, se_fmt in (
         ("mean KL(full ‖ policy), nats per token (lower is better)", "kl", kl_text, kl_text),
-        ("top-1 agreement with the full cache, % (higher is better)", "top1", _one, _one),
-        ("perplexity change of the continuation vs the full cache, % (lower is better)", "ppl_change", _signed1, _one),
+        # percentages near 0 (the standard errors, the perplexity change at low compression) keep 2 significant
+        # digits: at 1 decimal, two sources 0.06 % apart read "± 0.0"
+        ("top-1 agreement with the full cache, % (higher is better)", "top1", _one, pct_text),
+        (
+            "perplexity change of the continuation vs the full cache, % (lower is better)",
+            "ppl_change",
+            _signed_pct,
+            pct_text,
+        ),
     ):
         lines += [
             f"{title}:",

@@ -15,8 +15,8 @@ Tasks (the haystack is RULER's repeated "noise" sentences unless stated; values 
   noise; all five names assigned the number must be given.
 - ``cwe``: common-word extraction: a numbered list of words where ten words occur many times and the others twice;
   the ten must be given.
-- ``fwe``: frequent-word extraction: coded words drawn from a Zipf law (exponent 2); the three most frequent must be
-  given.
+- ``fwe``: frequent-word extraction: coded words drawn from a Zipf law (exponent 2), a few recoded so that the three
+  most frequent have strictly decreasing counts above every other word's (no ties); the three must be given.
 - ``niah_decode``: decode-heavy recall (RULER compresses the prompt only): the needle is given in the prompt, the
   model then writes ``max_new_tokens`` tokens of its own (a story; end-of-sequence suppressed), and only then is the
   question asked, in a second turn: the needle must survive the evictions made while it wrote.
@@ -292,6 +292,7 @@ class _Builder:
         vocab = _distinct(rng, 60, lambda r: _word(r, 2))
         weights = [1 / (k + 1) ** 2 for k in range(len(vocab))]
         draws = rng.choices(vocab, weights=weights, k=max(n, 30))
+        _strict_top(draws, vocab, rng)
         counts = {w: draws.count(w) for w in vocab}
         top = sorted(vocab, key=lambda w: (-counts[w], vocab.index(w)))[:3]
         text = " ".join(draws)
@@ -302,6 +303,29 @@ class _Builder:
             "According to the coded text above, the three most frequently appeared words are:"
         )
         return q, top, {"counts": [counts[w] for w in top]}
+
+
+def _strict_top(draws: list[str], vocab: list[str], rng: random.Random) -> None:
+    """Recode a few of ``draws`` in place so that the three most frequent words have strictly decreasing counts, all
+    above every other word's: a tie would make the answer depend on the vocabulary order, not on the text.
+
+    The answer words (the first three by count, then by vocabulary order) only gain occurrences, taken from the other
+    words at positions chosen with ``rng``, so the text keeps its length; the others only lose some, so the targets,
+    set from the counts before recoding, hold after it. Where too few other words occur (very short texts), the
+    missing occurrences are inserted instead.
+    """
+    counts = {w: draws.count(w) for w in vocab}
+    order = sorted(vocab, key=lambda w: (-counts[w], vocab.index(w)))
+    top, rest = order[:3], set(order[3:])
+    need, above = [], max((counts[w] for w in rest), default=0)
+    for w in reversed(top):  # third, second, first: each one above the one after it
+        above = max(counts[w], above + 1)
+        need += [w] * (above - counts[w])
+    donors = [i for i, w in enumerate(draws) if w in rest]
+    for i, w in zip(rng.sample(donors, min(len(need), len(donors))), need):
+        draws[i] = w
+    for w in need[len(donors) :]:
+        draws.insert(rng.randrange(len(draws) + 1), w)
 
 
 def prompt_tokens(tokenizer, text: str) -> int:

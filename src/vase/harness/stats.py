@@ -75,6 +75,22 @@ def kl_text(x: float, signed: bool = False) -> str:
     return f"{x:+.1e}" if signed else f"{x:.1e}"
 
 
+def pct_text(x: float, signed: bool = False) -> str:
+    """A percentage for the tables: 1 decimal, or 2 significant digits where 1 decimal would round a nonzero value to
+    0.0 (below 0.05, e.g. a standard error of 0.03 %), in scientific notation below 1e-3; ``—`` for NaN; below 1e-12
+    in size, 0 (rounding noise)."""
+    if x != x:
+        return "—"
+    if abs(x) < 1e-12:
+        x = 0.0
+    if x == 0 or abs(x) >= 0.05:
+        return f"{x:+.1f}" if signed else f"{x:.1f}"
+    if abs(x) < 1e-3:
+        return f"{x:+.1e}" if signed else f"{x:.1e}"
+    decimals = 1 - math.floor(math.log10(abs(x)))  # 2 significant digits: 0.025, 0.0012
+    return f"{x:+.{decimals}f}" if signed else f"{x:.{decimals}f}"
+
+
 def pm(mean: float, se: float, fmt=kl_text, se_fmt=None) -> str:
     """``mean ± se``, the mean written by ``fmt`` (a function of one float, :func:`kl_text` by default) and the
     standard error by ``se_fmt`` (default ``fmt``); the mean alone when the standard error is NaN (one value)."""

@@ -22,7 +22,7 @@ from .models import ModelLoadError, load_model
 MARKER = "vase-convert.json"
 
 
-def convert_for_vllm(source: str | None, out: str | Path, dtype: str = "float32") -> Path:
+def convert_for_vllm(source: str | None, out: str | Path, dtype: str = "bfloat16") -> Path:
     """Write ``source`` as a folder vLLM loads: ``config.json`` (``architectures`` set, no quantization config),
     ``model.safetensors`` (a tied embedding under ``model.embed_tokens.weight``, no ``lm_head.weight``), the
     tokenizer files and ``vase-convert.json`` (what it was made from).
@@ -31,7 +31,9 @@ def convert_for_vllm(source: str | None, out: str | Path, dtype: str = "float32"
         source: None or ``smollm2`` (the embedded model), ``gemma3-270m``, a ``.gguf`` file, a transformers folder
             or a hub id (see :func:`vase.hf.models.load_model`).
         out: the folder to write (created; files of an earlier conversion are replaced).
-        dtype: the weights' dtype: float32 (default), bfloat16 or float16.
+        dtype: the weights' dtype: bfloat16 (default: what vLLM serves a float32 folder in, on CPU and GPU, so the
+            served weights are the stored ones, loaded without a cast per tensor), float32 or float16. A float32
+            engine (``dtype="float32"``, as the tests run) widens bfloat16 weights exactly.
 
     Returns:
         The folder.

@@ -432,7 +432,13 @@ class QuantizedStorage:
         new_rows = [k for k, row in enumerate(rows) if not self._factor_set[row] and q_new[k] > 0]
         if new_rows:  # the row's first quantization fixes its key channel factors
             nt = upload(new_rows, self.device)
-            factors = quant.channel_scale(keys[:, :, :lim].index_select(0, nt), eligible.index_select(0, nt))
+            # Without eviction, from the first block of `buffer` slots only: a prompt fed whole quantizes several
+            # blocks at once, fed in chunks one at a time, and the factors must not depend on that. A compaction takes
+            # every entry it keeps (what it keeps depends on the chunking anyway).
+            evicting = set(step.evict_rows)
+            span = [q_new[k] if rows[k] in evicting else min(q_new[k], c.buffer) for k in new_rows]
+            basis = slot < upload(span, self.device).view(-1, 1, 1)
+            factors = quant.channel_scale(keys[:, :, :lim].index_select(0, nt), basis)
             self.kf.index_copy_(0, rt.index_select(0, nt), factors)
             for k in new_rows:
                 self._factor_set[rows[k]] = True

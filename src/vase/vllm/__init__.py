@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 
-from .rules import SCHEDULER_CLS, WORKER_CLS
+from .rules import SCHEDULER_CLS, WORKER_CLS, EngineFlags, check_flags
 from .settings import REQUEST_FIELDS, SPEC_ENV, VaseConfigError, parse
 
 _registered = False
@@ -103,7 +103,8 @@ def engine_args(
 
     Raises:
         VaseConfigError: the configuration is refused (checked here, before any engine starts; the engine rules are
-            checked again at engine start), or prefix caching asked for with a policy that compresses prompts.
+            checked again at engine start), prefix caching asked for with a policy that compresses prompts, or a
+            block size the CPU kernel cannot take (:func:`vase.vllm.rules.check_flags`).
     """
     spec: dict = {"policy": policy, **policy_options}
     for key, value in (("budget", budget), ("buffer", buffer), ("sinks", sinks), ("window", window)):
@@ -125,11 +126,10 @@ def engine_args(
     config, _ = parse(spec)  # the configuration's own errors, now
     if prefix_caching is None:
         prefix_caching = not config.compress_prompt
-    elif prefix_caching and config.compress_prompt and config.policy.evicts:
-        raise VaseConfigError(
-            f"vase: prefix caching needs a policy that keeps the prompt dense ({config.policy.name} compresses prompts "
-            "at prefill): use prompt=dense (as vase:preset=paper) or prefix_caching=False"
-        )
+    if config.policy.evicts:  # the engine rules these arguments decide, before any engine starts
+        problems = check_flags(EngineFlags(block_size=block_size, prefix_caching=bool(prefix_caching)), config)
+        if problems:
+            raise VaseConfigError("vase cannot run with these engine arguments: " + "; ".join(problems))
     os.environ[SPEC_ENV] = json.dumps(spec)  # the front end checks each request's vase_budget against it
     return {
         "additional_config": {"vase": spec},

@@ -31,7 +31,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from . import compact
 from . import state as st
-from .paged import CHECKED_ISAS
+from .layout import LayoutError
+from .paged import cpu_layout
 from .settings import settings_from
 from .spec import VaseFullAttentionSpec
 
@@ -60,7 +61,8 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     Raises:
         VaseConfigError: at engine start, for a configuration :func:`vase.vllm.settings.settings_from` refuses (this
             also catches an engine with vase configured but without the plugin's scheduler and worker classes).
-        ValueError: a CPU attention ISA whose KV layout vase has not been checked against (other than vec/vec16).
+        ValueError: a CPU attention ISA whose cache write does not store each key and value element as given (its
+            layout is read off that write at start, :func:`vase.vllm.paged.cpu_layout`: vec, vec16 and amx are).
     """
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -69,11 +71,13 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.vase_layers = list(layer_names)
         if not isinstance(kv_cache_spec, VaseFullAttentionSpec):  # a sliding-window group: vLLM's own metadata
             self.vase = None
-        if self.vase is not None and self.vase.evicts and self.isa not in CHECKED_ISAS:
-            raise ValueError(
-                f"vase: the CPU attention ISA {self.isa!r} stores the KV cache in a layout vase has not been checked "
-                f"against (only {', '.join(CHECKED_ISAS)}): use a float32 model or a CPU without AMX"
-            )
+        self.vase_paged = None
+        if self.vase is not None and self.vase.evicts:
+            spec = kv_cache_spec
+            try:  # the cache's layout for this kernel ISA, read off vLLM's own cache write
+                self.vase_paged = cpu_layout(self.isa, spec.num_kv_heads, spec.block_size, spec.head_size, spec.dtype)
+            except LayoutError as exc:
+                raise ValueError(f"vase cannot read the KV cache of the CPU attention ISA {self.isa!r}: {exc}") from exc
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         ws = st.ACTIVE
@@ -113,6 +117,7 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             md = super().build(common_prefix_len, cm, fast_build)
         md.vase_plan = plan
         md.vase_layout = layout
+        md.vase_paged = self.vase_paged
         md.vase_tokens, md.vase_slots = cm.num_actual_tokens, layout.slot_mapping
         ws.stats["t_build"] += time.perf_counter() - t
         return md
@@ -180,10 +185,12 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         dense = {}
         split = getattr(md, "vase_split", None)
         if split is not None:
-            dense = compact.attend_dense(self, layer, ws, li, q, k, v, kv_cache, output, plan, layout, split, md)
+            dense = compact.attend_dense(
+                self, layer, ws, li, q, k, v, kv_cache, output, plan, layout, split, md, md.vase_paged
+            )
         if plan.evict.any():
             t = time.perf_counter()
-            compact.evict_rows(ws, li, layer, kv_cache, plan, layout, dense, self.scale, self.kv_cache_dtype)
+            compact.evict_rows(ws, li, layer, kv_cache, plan, layout, dense, self.scale, md.vase_paged)
             ws.stats["t_evict"] += time.perf_counter() - t
 
     def attend_scratch(self, layer, query, scratch, md, output) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from ..core.evict import gather_kept
 from ..core.sequence import budget_groups
-from .paged import gather, write_front
+from .layout import PagedLayout
 from .state import GroupLayout, PagedStep, WorkerState
 from .store import HeldBuffer, entry_bytes
 
@@ -113,7 +113,9 @@ def split_dense(plan: PagedStep, block_size: int) -> DenseSplit:
     )
 
 
-def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep, layout: GroupLayout, split, md):
+def attend_dense(
+    impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep, layout: GroupLayout, split, md, paged: PagedLayout
+):
     """Attention of the step's dense rows over their held entries and their new ones, written into ``output``;
     returns, per dense batch row ``r``, its keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]`` and state for
     the eviction that follows.
@@ -143,7 +145,7 @@ def attend_dense(impl, layer, ws, li, q, k, v, kv_cache, output, plan: PagedStep
         rk, rv = k[a:b], v[a:b]  # token-major [S, H, D]
         new_pos = torch.from_numpy(plan.logical_before[r] + np.arange(n)).expand(h, n)
         if fb:  # entries held from earlier chunks: written before the new tokens
-            kh, vh = gather(kv_cache, layout.block_rows[r : r + 1], fb)
+            kh, vh = paged.gather(kv_cache, layout.block_rows[r : r + 1], fb)
             rk, rv = torch.cat([kh[0].transpose(0, 1), rk]), torch.cat([vh[0].transpose(0, 1), rv])
             held_pos, held_state = _held(ws, li, plan, [r], fb)
             positions = torch.cat([held_pos[0], new_pos], dim=1)
@@ -179,15 +181,16 @@ DEFER_BYTES = 256 << 20
 @dataclass
 class DeferredLayer:
     """A layer whose evicting rows are compacted after the step (:func:`evict_deferred`): the rows that fit in
-    their blocks are read from ``kv_cache``; ``dense`` holds the dense rows' entries of this layer's dense pass (batch
-    row -> keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]``, state), empty when they were evicted in the layer."""
+    their blocks are read from ``kv_cache`` (laid out as ``paged`` says, :mod:`vase.vllm.layout`); ``dense`` holds the
+    dense rows' entries of this layer's dense pass (batch row -> keys, values ``[H_kv, S, D]``, positions ``[H_kv, S]``,
+    state), empty when they were evicted in the layer."""
 
     li: int
     layer: object
     kv_cache: torch.Tensor
     layout: GroupLayout
     scale: float
-    kv_cache_dtype: str
+    paged: PagedLayout
     dense: dict = field(default_factory=dict)
 
 
@@ -209,7 +212,7 @@ def defers_dense(ws: WorkerState, plan: PagedStep) -> bool:
 
 
 def evict_rows(
-    ws, li, layer, kv_cache, plan: PagedStep, layout: GroupLayout, dense: dict, scale: float, kv_cache_dtype: str
+    ws, li, layer, kv_cache, plan: PagedStep, layout: GroupLayout, dense: dict, scale: float, paged: PagedLayout
 ) -> None:
     """Compact the evicting rows of the step in layer ``li`` (its KV cache group's ``layout``; see the module
     docstring): the rows that fit in their blocks are left to :func:`evict_deferred`, and so are the dense ones
@@ -223,9 +226,9 @@ def evict_rows(
             if "held" not in plan.cache:  # the step's buffer, opened at its first layer (closed by WorkerState.flush)
                 plan.cache["held"] = ws.store.open(plan.cache["dense_bytes"])
             held = {r: _held_copy(plan.cache["held"], dense[r]) for r in dense_ev}
-        plan.deferred.append(DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype, held))
+        plan.deferred.append(DeferredLayer(li, layer, kv_cache, layout, scale, paged, held))
     if not later:
-        now = DeferredLayer(li, layer, kv_cache, layout, scale, kv_cache_dtype, dense)
+        now = DeferredLayer(li, layer, kv_cache, layout, scale, paged, dense)
         for group in budget_groups(plan.schedule, dense_ev, ws.seq.schedule):
             _evict_layers(ws, plan, [now], group, dense=True)
 
@@ -281,7 +284,7 @@ def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int
         if dense:
             k, v, p, st = _padded(ws, d, ev, lengths, s)
         else:
-            k, v = gather(d.kv_cache, d.layout.block_rows[which], s)
+            k, v = d.paged.gather(d.kv_cache, d.layout.block_rows[which], s)
             p, st = _held(ws, d.li, plan, ev, s)
             p = p.masked_fill_(beyond, -1)
             st = {name: t.masked_fill_(beyond, 0.0) for name, t in st.items()}
@@ -307,7 +310,7 @@ def _evict_layers(ws, plan: PagedStep, layers: list[DeferredLayer], ev: list[int
     kk, vv, pp, st = gather_kept(res.indices, res.keep, keys, values, positions, res.state)
     for i, d in enumerate(layers):
         part = slice(i * b, (i + 1) * b)
-        write_front(d.kv_cache, d.layout.write_rows[which], kk[part], vv[part], d.layer, d.kv_cache_dtype)
+        d.paged.write_front(d.kv_cache, d.layout.write_rows[which], kk[part], vv[part])
         ws.seq.tables.write_kept(d.li, rows, pp[part], {name: t[part] for name, t in st.items()})
 
 

@@ -6,6 +6,11 @@ for every request at admission and answers a ``ValueError`` with HTTP 400 naming
 changes no logits. :func:`vase.vllm.engine_args` and ``python -m vase.vllm.serve`` register it. A request with a
 bad value then fails alone with an error naming the field; the engine and the other requests go on.
 
+vLLM's OpenAI request model coerces a JSON ``true`` in ``vllm_xargs`` to the integer 1 before any processor sees it,
+so the server also checks the fields as sent, in an ASGI middleware
+(:class:`vase.vllm.middleware.VaseFieldsMiddleware`, added by
+``python -m vase.vllm.serve`` with vLLM's ``--middleware``): a boolean is refused there with the same 400.
+
 Fields: ``vase_seed`` (an integer in ``[0, 2**63)``: the seed of the request's sampled eviction) and
 ``vase_budget`` (the request's own budget, at most the engine's ``max_budget``, or ``"full"`` where the engine
 allows it), checked against the engine's configuration (:func:`vase.vllm.settings.front_end_settings`). Any other key

@@ -175,6 +175,7 @@ class VaseScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs):
         self.vase = settings_from(vllm_config)  # a clear error at engine start
         super().__init__(vllm_config, *args, **kwargs)
+        self._vase_engine = str(vllm_config.parallel_config.data_parallel_index)  # the label of its metrics
         self.vase_stats = {
             "max_blocks_held": 0,
             "max_over_cap": -(10**9),
@@ -354,20 +355,34 @@ class VaseScheduler(Scheduler):
         return sum(1 for b in blocks.blocks[g] if b.ref_cnt > 0) if g < len(blocks.blocks) else 0
 
     def _get_local_prefix_cache_hit(self, request):
-        """vLLM's prefix-cache hit, less the prompt's last ``window`` tokens (their queries score the request's first
-        eviction, so they are computed even when their blocks are cached): the same scores with or without a hit."""
-        blocks, hit, *rest = super()._get_local_prefix_cache_hit(request)
+        """vLLM's prefix-cache hit, at most the prompt less its last ``window`` tokens (their queries score the
+        request's first eviction, so they are computed even when their blocks are cached): the same scores with or
+        without a hit.
+
+        A shorter hit is looked up again at that length, not cut from the longer one: a sliding-window group's hit is
+        null blocks followed by the real blocks of the window before the hit's end, so the longer hit cut short would
+        end in null blocks where the tokens after the shorter end read their window. The lookup at the shorter length
+        is the hit vLLM itself makes for a prompt of that length, in every KV cache group. For it to find the window
+        before that length, a model with sliding-window groups names it as the request's shared-prefix boundary
+        (vLLM's ``Request.shared_prefix_boundary``, the junction its sparse retention keeps the window's blocks
+        cached at): the next request with this prompt then hits up to it in every group."""
+        blocks, hit, boundary, *rest = super()._get_local_prefix_cache_hit(request)
         req = self._vase_reqs.get(request.request_id)
-        if not self._vase_managers or hit == 0 or req is None or req.target is None:
-            return (blocks, hit, *rest)
+        if not self._vase_managers or req is None or req.target is None:
+            return (blocks, hit, boundary, *rest)
         bs = self.vase.block_size
         most = max(request.num_prompt_tokens - self.vase.config.window, 0) // bs * bs
+        if self._vase_others and most:
+            boundary = max(boundary, most)
         if hit <= most:
-            return (blocks, hit, *rest)
+            return (blocks, hit, boundary, *rest)
+        manager = self.kv_cache_manager
         if most == 0:
-            return (self.kv_cache_manager.empty_kv_cache_blocks, 0, *rest)
-        cut = type(blocks)(tuple(group[: most // bs] for group in blocks.blocks))
-        return (cut, most, *rest)
+            return (manager.empty_kv_cache_blocks, 0, boundary, *rest)
+        groups, shorter, uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, most)
+        if uncached:  # as vLLM's own lookup pins a lagging group's junction
+            boundary = max(boundary, shorter + uncached)
+        return (manager.create_kv_cache_blocks(groups), shorter, boundary, *rest)
 
     def _vase_hold_back(self) -> None:
         """``prefill_first``: the requests whose prefill ended in the last step (their first token out; a compressed
@@ -433,8 +448,8 @@ class VaseScheduler(Scheduler):
             st["kv_blocks_held"], st["kv_blocks_without_eviction"] = held, without
             st["peak_kv_blocks_held"] = max(st["peak_kv_blocks_held"], held)
             st["peak_kv_blocks_without_eviction"] = max(st["peak_kv_blocks_without_eviction"], without)
-            metrics.record_blocks(held, without)
-            metrics.record_admission(len(changes))
+            metrics.record_blocks(held, without, self._vase_engine)
+            metrics.record_admission(len(changes), self._vase_engine)
         return out
 
     def finish_requests(self, *args, **kwargs):

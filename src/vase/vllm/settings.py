@@ -46,12 +46,14 @@ import os
 from dataclasses import dataclass, field
 
 from ..core.config import VaseConfig
-from ..core.policies import parse_policy_spec
+from ..core.policies import make_policy, parse_policy_spec
+from ..core.policy import did_you_mean
 from ..core.schedule import first_limit
-from .rules import BLOCK_MULTIPLE, check_engine, check_policy
+from .rules import BLOCK_MULTIPLE, QUANT_KEYS, QUANTIZED, check_engine, check_policy
 
 REQUEST_FIELDS = "vase.vllm.requests:VaseRequestFields"  # a logits processor that only validates (vase.vllm.requests)
 SIZE_KEYS = ("budget", "buffer", "sinks", "window", "compress_prompt")
+ENGINE_KEYS = ("admission", "min_budget", "max_budget", "allow_full", "prefill_first", "prefill_priority")
 SPEC_ENV = "VASE_ENGINE_SPEC"  # the engine's vase configuration (JSON), for the front end's request check
 ADMISSIONS = ("elastic", "reserve", "grow")
 # options of other entry points that a serving engine cannot take, with the reason given in the error
@@ -363,7 +365,8 @@ def parse(raw) -> tuple[VaseConfig, dict]:
             ratio, compile, a seed), an unknown admission mode, a ``max_budget`` below the budget or a
             ``min_budget`` above it or either refused by the budget rules, or any error of
             :meth:`vase.core.config.VaseConfig.resolve` (unknown policy or option, sizes out of range, the published
-            preset's rules), prefixed with ``vase:``.
+            preset's rules), prefixed with ``vase:``; a policy vLLM cannot run (:func:`vase.vllm.rules.check_policy`:
+            selection, adaptive budgets, quantized entries).
     """
     if isinstance(raw, str):
         name, options = parse_policy_spec(raw)
@@ -394,10 +397,14 @@ def parse(raw) -> tuple[VaseConfig, dict]:
     sizes = {k: options.pop(k) for k in SIZE_KEYS if k in options}
     if "compress_prompt" in sizes:
         sizes["compress_prompt"] = _as_bool(sizes["compress_prompt"], "compress_prompt")
+    _check_options(name, options)
     try:
         config = VaseConfig.resolve(name, **sizes, **options)
     except ValueError as exc:
         raise VaseConfigError(f"vase: {exc}") from None
+    problems = check_policy(config)  # quest and kv_bits never evict but are refused all the same
+    if problems:
+        raise VaseConfigError(f"vase cannot run {config.policy.name} in vLLM: " + "; ".join(problems))
     if max_budget is not None:
         if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < config.budget:
             raise VaseConfigError(
@@ -430,6 +437,24 @@ def parse(raw) -> tuple[VaseConfig, dict]:
     return config, engine
 
 
+def _check_options(name: str, options: dict) -> None:
+    """Refuse the policy options a served engine cannot take (vase's quantized storage) and unknown ones, listing
+    only what vLLM takes (:func:`parse` then resolves the rest as everywhere else)."""
+    quantized = sorted(k for k in options if k in QUANT_KEYS)
+    if quantized:
+        raise VaseConfigError(f"vase: option(s) {', '.join(quantized)}: {QUANTIZED}")
+    try:
+        allowed = set(make_policy(name).options) - set(QUANT_KEYS)
+    except ValueError:
+        return  # an unknown policy: VaseConfig.resolve names it, with the closest name
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise VaseConfigError(
+            f"vase: policy {name!r} does not take option(s) {', '.join(unknown)}{did_you_mean(unknown[0], allowed)}; "
+            f"valid options in vLLM: {', '.join(sorted(allowed | set(SIZE_KEYS) | set(ENGINE_KEYS)))}"
+        )
+
+
 def settings_from(vllm_config) -> EngineSettings | None:
     """The vase settings of an engine, or None when ``additional_config`` has no ``"vase"`` key (stock vLLM).
 
@@ -437,8 +462,8 @@ def settings_from(vllm_config) -> EngineSettings | None:
     each runs.
 
     Raises:
-        VaseConfigError: see :func:`parse`; every broken rule of :func:`check_policy` and, for an evicting policy,
-            of :func:`check_engine`, in one message (``full`` runs on any engine: it is stock vLLM).
+        VaseConfigError: see :func:`parse`; for an evicting policy, every broken rule of :func:`check_engine` in one
+            message (``full`` runs on any engine: it is stock vLLM).
     """
     extra = vllm_config.additional_config or {}
     raw = extra.get("vase") if isinstance(extra, dict) else None
@@ -452,9 +477,7 @@ def settings_from(vllm_config) -> EngineSettings | None:
         spec=str(raw),
         **engine,
     )
-    problems = check_policy(config)  # quest and kv_bits never evict but are refused all the same
-    if settings.evicts:
-        problems += check_engine(vllm_config, config)
+    problems = check_engine(vllm_config, config) if settings.evicts else []  # the policy's rules: parse
     if problems:
         raise VaseConfigError("vase cannot run with this engine configuration:\n  - " + "\n  - ".join(problems))
     return settings

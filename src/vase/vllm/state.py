@@ -153,12 +153,14 @@ class WorkerState:
         max_reqs: the most requests the engine runs at once (``max_num_seqs``).
         reports: whether this worker's counts go to ``/metrics`` (the first of a tensor-parallel group: every rank
             evicts the same requests).
+        engine: the engine core's data-parallel index (the ``engine`` label of its metrics).
     """
 
-    def __init__(self, settings: EngineSettings, max_reqs: int, reports: bool = True):
+    def __init__(self, settings: EngineSettings, max_reqs: int, reports: bool = True, engine: str = "0"):
         self.s = settings
         self.max_reqs = max_reqs
         self.reports = reports  # counts on /metrics (one worker of a tensor-parallel group)
+        self.engine = engine
         self.row_of: dict[str, int] = {}
         self.capacity = 0
         self.free_rows: list[int] = []
@@ -369,6 +371,6 @@ class WorkerState:
         st["rows_evicted"] += n_ev
         st["compressed_at_prefill"] += compressed
         if self.reports:
-            metrics.record_step(n_ev, compressed)
+            metrics.record_step(n_ev, compressed, self.engine)
         st["dense_rows"] += int(p.dense.sum())
         st["max_fill"] = max(st["max_fill"], int(p.fill_after[~p.dense].max(initial=0)))

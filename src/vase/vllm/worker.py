@@ -32,7 +32,8 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import state as st
-from .settings import settings_from
+from .rules import check_learned
+from .settings import VaseConfigError, settings_from
 from .spec import VaseFullAttentionSpec
 
 logger = init_logger("vllm.plugins.vase")
@@ -54,7 +55,10 @@ class VaseCPUWorker(CPUWorker):
         if self.vase is not None and self.vase.evicts:
             self.model_runner.__class__ = VaseCPUModelRunner
             first = get_tensor_model_parallel_rank() == 0
-            self.model_runner.vase_state = st.WorkerState(self.vase, self.scheduler_config.max_num_seqs, first)
+            engine = str(self.parallel_config.data_parallel_index)
+            self.model_runner.vase_state = st.WorkerState(
+                self.vase, self.scheduler_config.max_num_seqs, first, engine=engine
+            )
             st.ACTIVE = self.model_runner.vase_state
 
     def vase_stats(self) -> dict | None:
@@ -117,6 +121,10 @@ class VaseCPUModelRunner(CPUModelRunner):
         }
         names = sorted((n for layer_names in groups.values() for n in layer_names), key=extract_layer_index)
         mc, pc = self.model_config, self.parallel_config
+        ids = [extract_layer_index(name) for name in names]
+        problems = check_learned(self.vase_state.s.config, ids, mc.get_total_num_kv_heads(), mc.get_head_size())
+        if problems:  # weights for another model's layers (the config could not tell before the weights loaded)
+            raise VaseConfigError("vase cannot run with this engine configuration:\n  - " + "\n  - ".join(problems))
         # with tensor parallelism this worker holds a share of the KV heads (rank r: from head r * total / tp; a
         # head is replicated when there are fewer heads than ranks): random choices are keyed by the model's index
         offset = get_tensor_model_parallel_rank() * mc.get_total_num_kv_heads() // pc.tensor_parallel_size
@@ -126,7 +134,7 @@ class VaseCPUModelRunner(CPUModelRunner):
             mc.get_num_attention_heads(pc),
             mc.get_head_size(),
             mc.dtype,
-            layer_ids=[extract_layer_index(name) for name in names],
+            layer_ids=ids,
             head_offset=offset,
             groups=groups,
             rows=self.vase_state.s.concurrent_rows(kv_cache_config.num_blocks),

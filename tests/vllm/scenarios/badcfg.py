@@ -1,6 +1,7 @@
 """Configurations vase refuses at engine start: for each case, the error the engine raised (or that it started).
 
-Job: ``{"model"}``. Each case starts an in-process engine with ``additional_config`` set directly (not through
+Job: ``{"model", "learned": {case: spec}}`` (the last: learned-scorer cases, their weights files made by the test).
+Each case starts an in-process engine with ``additional_config`` set directly (not through
 ``engine_args``, which would refuse most of them before any engine starts) and records the exception.
 """
 
@@ -54,7 +55,8 @@ def sliding_copy(model: str) -> str:
 if __name__ == "__main__":
     spec, out = common.job()
     result = {}
-    for name, case in CASES.items():
+    cases = {**CASES, **{name: {"vase": v} for name, v in spec.get("learned", {}).items()}}
+    for name, case in cases.items():
         kw = dict(additional_config={"vase": case.get("vase", GOOD)}, **case.get("kw", {}))
         if case.get("classes", True):
             kw.update(scheduler_cls=SCHEDULER_CLS, worker_cls=WORKER_CLS)

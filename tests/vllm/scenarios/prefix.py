@@ -18,7 +18,10 @@ if __name__ == "__main__":
     for e in spec["engines"]:
         llm = common.make_llm(spec["model"], e["vase"], **e.get("kw", {}))
         eng, sched = llm.llm_engine, common.scheduler(llm)
-        mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+        # the first capped full-attention group (a hybrid model's first group may be a sliding window's)
+        mgr = next((m for m in managers if hasattr(m, "vase_trims")), managers[0])
+        trims = getattr(mgr, "vase_trims", {})
         pool = sched.kv_cache_manager.block_pool
         names, tokens, cached = {}, {}, {}
         shared, after_first, step = 0, 0, 0
@@ -42,7 +45,7 @@ if __name__ == "__main__":
             ws = vstate.ACTIVE
             if ws is not None:
                 for rid, row in ws.row_of.items():
-                    if ws.seq.schedule.evictions[row] and rid in lists and rid not in mgr.vase_trims:
+                    if ws.seq.schedule.evictions[row] and rid in lists and rid not in trims:
                         after_first = max(after_first, len(lists[rid]))
             step += 1
         result[e["name"]] = {
