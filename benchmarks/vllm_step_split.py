@@ -66,7 +66,6 @@ def run_one(args) -> dict:
     _timed(Sampler, "forward", sampled)  # this process only: a measurement, the engine unchanged
     if args.engine == "vase":
         import vase.vllm
-        from vase.vllm import state as st
 
         kw = vase.vllm.engine_args("vase", budget=args.budget, buffer=args.buffer)
         blocks = -(-args.requests * (args.budget + args.buffer + 128) // 32)  # each request's cap, with its prompt
@@ -90,7 +89,9 @@ def run_one(args) -> dict:
     _timed(executor, "execute_model", executed)
     flushed: list[float] = []
     if args.engine == "vase":
-        _timed(st.WorkerState, "flush", flushed)
+        from vase.vllm.state import WorkerState
+
+        _timed(WorkerState, "flush", flushed)
     params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.steps + 8, ignore_eos=True)
     ids = prompts(llm.get_tokenizer(), args.requests)
     for i, x in enumerate(ids):
@@ -99,7 +100,7 @@ def run_one(args) -> dict:
     for k in range(args.steps):
         for acc in (sampled, executed, flushed):
             acc.clear()
-        before = dict(st.ACTIVE.stats) if args.engine == "vase" else None
+        before = dict(vase.vllm.worker_state(llm).stats) if args.engine == "vase" else None
         t = time.perf_counter()
         eng.step()
         total = time.perf_counter() - t
@@ -107,7 +108,7 @@ def run_one(args) -> dict:
             continue
         own = evicted = 0.0
         if before is not None:
-            after = st.ACTIVE.stats
+            after = vase.vllm.worker_state(llm).stats
             evicted = sum(flushed)
             own = evicted + sum(after[x] - before[x] for x in ("t_after", "t_plan", "t_build"))
         fwd, smp = sum(executed) - own, sum(sampled)

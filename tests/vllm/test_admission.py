@@ -106,7 +106,7 @@ def test_plan_keeps_budgets_that_fit_and_respects_own_targets():
     assert nobody.level is None and nobody.admit == {} and nobody.shrink == {} and nobody.blocks == 40
 
 
-def _engine(tp=1, pp=1, kv_heads=3, prefix=False, hybrid=False):
+def _engine(tp=1, pp=1, kv_heads=3, prefix=False, hybrid=False, device="cpu"):
     """A stand-in for vLLM's configuration with the fields the engine rules read."""
     from types import SimpleNamespace as NS
 
@@ -128,6 +128,7 @@ def _engine(tp=1, pp=1, kv_heads=3, prefix=False, hybrid=False):
         ),
         speculative_config=None,
         use_v2_model_runner=False,
+        device_config=NS(device_type=device),
     )
 
 
@@ -147,6 +148,10 @@ def test_engine_rules_name_each_broken_rule():
     assert "state-space or linear-attention" in " ".join(check_engine(_engine(hybrid=True), vase_cfg))
     assert "compresses prompts at prefill" in " ".join(check_engine(_engine(prefix=True), vase_cfg))
     assert check_engine(_engine(prefix=True), paper) == []
+    # vase's backend is vLLM's CPU one: on a GPU an engine with vase is refused at start, before weights load
+    assert "device 'cuda': vase runs on vLLM's CPU attention backend only" in " ".join(
+        check_engine(_engine(device="cuda"), vase_cfg)
+    )
 
 
 def test_learned_weights_for_another_shape_are_refused_by_the_engine_rules(tmp_path):

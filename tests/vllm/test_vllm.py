@@ -314,14 +314,29 @@ def test_worker_state_rows_seeds_and_limits():
 
 
 # ---------------------------------------------------------------------------------------------------- with vLLM
-@pytest.fixture(scope="module")
-def model_dir():
+def converted_model() -> Path:
     """The embedded model converted for vLLM (``make vllm`` makes it; converted here if it is missing)."""
     if not (MODEL_DIR / "vase-convert.json").is_file():
         from vase.hf.convert import convert_for_vllm
 
         convert_for_vllm("smollm2", MODEL_DIR)
     return MODEL_DIR
+
+
+def chat_prompts(tok) -> list[list[int]]:
+    """:data:`TEXTS` as chat prompts (token ids): about 30, 55 and 110 tokens, the last compressed at prefill."""
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for t in TEXTS
+    ]
+    ids = [list(tok.encode(c, add_special_tokens=False)) for c in chats]
+    assert len(ids[0]) < BUDGET + BUFFER < len(ids[2]), [len(i) for i in ids]  # one prompt compressed at prefill
+    return ids
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return converted_model()
 
 
 @pytest.fixture(scope="module")
@@ -333,14 +348,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(hf_model):
-    tok = hf_model.tokenizer
-    chats = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-        for t in TEXTS
-    ]
-    ids = [list(tok.encode(c, add_special_tokens=False)) for c in chats]
-    assert len(ids[0]) < BUDGET + BUFFER < len(ids[2]), [len(i) for i in ids]  # one prompt compressed at prefill
-    return ids
+    return chat_prompts(hf_model.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -379,12 +387,14 @@ def _learned_cases(folder: Path) -> dict:
     }
 
 
-def _run_script(name: str, job: dict, folder: Path) -> dict:
+def _run_script(name: str, job: dict, folder: Path, python: Path = VLLM_PY) -> dict:
+    """Run the scenario script ``name`` with ``job`` in ``folder`` (its log there), with ``python`` (a vLLM
+    environment's); its result."""
     (folder / f"{name}.job.json").write_text(json.dumps(job))
     out = folder / f"{name}.json"
     with open(folder / f"{name}.log", "w") as log:
         proc = subprocess.run(
-            [str(VLLM_PY), str(SCENARIOS / f"{name}.py"), str(folder / f"{name}.job.json"), str(out)],
+            [str(python), str(SCENARIOS / f"{name}.py"), str(folder / f"{name}.job.json"), str(out)],
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=1200,

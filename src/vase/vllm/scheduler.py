@@ -1,10 +1,12 @@
 """Scheduler side: vLLM's ``Scheduler`` whose full-attention KV managers never give a request more than its cap.
 
-Hook: ``scheduler_cls="vase.vllm.scheduler.VaseScheduler"``. ``VaseScheduler.__init__`` re-classes each
-``FullAttentionManager`` of ``kv_cache_manager.coordinator.single_type_managers`` to
-:class:`CappedFullAttentionManager` (the same instance state; three methods bound the token count by the request's
-cap). Everything else is vLLM's: ``num_computed_tokens`` stays the logical length (RoPE positions, ``max_model_len``,
-stop conditions); only the blocks follow the physical bound ``budget + buffer``.
+Hook: ``scheduler_cls="vase.vllm.scheduler.VaseScheduler"``. vLLM builds the KV cache manager of each group from
+its spec through its KV cache spec registry (``KVCacheSpecRegistry``, the extension point for out-of-tree specs):
+``VaseScheduler.__init__`` registers :class:`CappedFullAttentionManager` for vase's full-attention spec
+(:class:`vase.vllm.spec.VaseFullAttentionSpec`) before vLLM builds them, then hands each one its settings (three
+methods bound the token count by the request's cap). Everything else is vLLM's: ``num_computed_tokens`` stays the
+logical length (RoPE positions, ``max_model_len``, stop conditions); only the blocks follow the physical bound
+``budget + buffer``.
 
 * A request's cap is ``ceil((budget + buffer) / block_size)`` blocks; with a dense prompt (``compress_prompt=False``,
   ``vase:preset=paper``) it follows the prompt until the request's first eviction, after which the blocks past the
@@ -47,12 +49,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm.logger import init_logger
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
-
 from . import metrics
 from .admission import Demand, plan_admission
+from .seam import (
+    FullAttentionManager,
+    FullAttentionSpec,
+    KVCacheSpecRegistry,
+    Scheduler,
+    SlidingWindowManager,
+    init_logger,
+)
 from .settings import FULL, EngineSettings, settings_from
 from .state import request_budget
 
@@ -62,7 +68,8 @@ logger = init_logger("vllm.plugins.vase")
 class CappedFullAttentionManager(FullAttentionManager):
     """A ``FullAttentionManager`` that allocates a request at most its cap (see the module docstring).
 
-    Set by :class:`VaseScheduler` (never constructed): ``vase`` (the settings), ``vase_caps`` (request id -> cap in
+    Built by vLLM for the groups of :class:`vase.vllm.spec.VaseFullAttentionSpec` (registered by
+    :class:`VaseScheduler`), which then sets: ``vase`` (the settings), ``vase_caps`` (request id -> cap in
     tokens: the length of its block list), ``vase_trims`` (request id -> (processed tokens, first, end): once that
     many tokens are processed, the request's blocks outside ``[first, end)`` go back to the pool and its cap becomes
     ``end``: a dense prompt's first eviction, a shrink), ``vase_fronts`` (request id -> its prompt blocks that are
@@ -174,6 +181,8 @@ class VaseScheduler(Scheduler):
 
     def __init__(self, vllm_config, *args, **kwargs):
         self.vase = settings_from(vllm_config)  # a clear error at engine start
+        if self.vase is not None and self.vase.evicts:
+            register_capped_manager()
         super().__init__(vllm_config, *args, **kwargs)
         self._vase_engine = str(vllm_config.parallel_config.data_parallel_index)  # the label of its metrics
         self.vase_stats = {
@@ -207,12 +216,11 @@ class VaseScheduler(Scheduler):
             if type(m) is SlidingWindowManager:
                 self._vase_others.append(m)
                 continue
-            if type(m) is not FullAttentionManager:
+            if type(m) is not CappedFullAttentionManager:
                 raise ValueError(
-                    f"vase: KV cache manager {type(m).__name__} is neither full attention (which vase caps) nor a "
-                    "sliding window (which vLLM bounds)"
+                    f"vase: KV cache manager {type(m).__name__} is neither vase's capped full attention nor a sliding "
+                    "window (which vLLM bounds)"
                 )
-            m.__class__ = CappedFullAttentionManager
             m.vase, m.vase_caps, m.vase_trims, m.vase_fronts, m.vase_stats = self.vase, {}, {}, {}, self.vase_stats
             self._vase_managers.append(m)
         if not self._vase_managers:
@@ -469,6 +477,16 @@ class VaseScheduler(Scheduler):
                 del self._vase_reqs[rid]
                 self._vase_shrinking.discard(rid)
                 self._vase_held.discard(rid)
+
+
+def register_capped_manager() -> None:
+    """Register :class:`CappedFullAttentionManager` as the manager of vase's full-attention spec in vLLM's KV cache
+    spec registry (idempotent). vLLM's built-in specs are registered first: the registry registers them only while
+    it is empty, so an entry of ours alone would keep them out."""
+    from .spec import VaseFullAttentionSpec
+
+    KVCacheSpecRegistry.check_kv_cache_spec_registry({})  # the built-in specs, if not yet
+    KVCacheSpecRegistry.register(VaseFullAttentionSpec, CappedFullAttentionManager, FullAttentionSpec)
 
 
 def _share(managers, request_id: str) -> float:

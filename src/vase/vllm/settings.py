@@ -462,13 +462,17 @@ def settings_from(vllm_config) -> EngineSettings | None:
     each runs.
 
     Raises:
-        VaseConfigError: see :func:`parse`; for an evicting policy, every broken rule of :func:`check_engine` in one
-            message (``full`` runs on any engine: it is stock vLLM).
+        VaseConfigError: a vLLM release vase was not tested with (:func:`vase.vllm.seam.check`); see :func:`parse`;
+            for an evicting policy, every broken rule of :func:`check_engine` in one message (``full`` runs on any
+            engine: it is stock vLLM).
     """
     extra = vllm_config.additional_config or {}
     raw = extra.get("vase") if isinstance(extra, dict) else None
     if raw is None:
         return None
+    from . import seam
+
+    seam.check(strict=True)  # the installed vLLM as vase was tested with, or one clear error naming what differs
     config, engine = parse(raw)
     settings = EngineSettings(
         config=config,

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from .seam import FullAttentionSpec, cdiv
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,9 +34,6 @@ from .store import HeldStore
 
 # vLLM configures the loggers under "vllm" only: a child of it prints with vLLM's format, in the worker's process
 logger = logging.getLogger("vllm.plugins.vase")
-# The state of this process's worker (one per process: tensor parallelism is refused). The attention backend reads the
-# step's plan from it; in an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) tests and benchmarks read its stats.
-ACTIVE: WorkerState | None = None
 # vLLM fans a request with n > 1 out into child requests named "{index}_{parent id}" (v1/engine/parallel_sampling.py)
 _CHILD_ID = re.compile(r"(\d+)_")
 

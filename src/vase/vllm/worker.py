@@ -1,8 +1,10 @@
 """Worker side: vLLM's CPU worker whose model runner keeps each request's eviction state and plans each step.
 
-Hook: ``worker_cls="vase.vllm.worker.VaseCPUWorker"``. With vase configured, the worker's ``CPUModelRunner`` is
-re-classed to :class:`VaseCPUModelRunner` (no state of its own besides the :class:`vase.vllm.state.WorkerState`),
-which overrides four methods of vLLM's V1 runner (``v1/worker/gpu_model_runner.py``) and calls each original:
+Hook: ``worker_cls="vase.vllm.worker.VaseCPUWorker"``. With vase configured, the worker's model runner is a
+:class:`VaseCPUModelRunner` (built in place of vLLM's: vLLM's ``CPUWorker.init_device`` names its runner class
+directly, so the worker replaces the runner it built, before any model is loaded into it), whose state is a
+:class:`vase.vllm.state.WorkerState` handed to the attention metadata builders it builds (no global state), and which
+overrides these methods of vLLM's V1 runner (``v1/worker/gpu_model_runner.py``), calling each original:
 
 * ``get_kv_cache_spec``: full-attention layers get :class:`vase.vllm.spec.VaseFullAttentionSpec` (memory by the cap);
   sliding-window layers keep vLLM's spec (vLLM frees their blocks out of the window itself);
@@ -24,15 +26,18 @@ import time
 
 import numpy as np
 import torch
-from vllm.distributed import get_tensor_model_parallel_rank
-from vllm.logger import init_logger
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import state as st
 from .rules import check_learned
+from .seam import (
+    CPUModelRunner,
+    CPUWorker,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    extract_layer_index,
+    get_tensor_model_parallel_rank,
+    init_logger,
+)
 from .settings import VaseConfigError, settings_from
 from .spec import VaseFullAttentionSpec
 
@@ -53,13 +58,11 @@ class VaseCPUWorker(CPUWorker):
     def init_device(self):
         super().init_device()
         if self.vase is not None and self.vase.evicts:
-            self.model_runner.__class__ = VaseCPUModelRunner
             first = get_tensor_model_parallel_rank() == 0
             engine = str(self.parallel_config.data_parallel_index)
-            self.model_runner.vase_state = st.WorkerState(
-                self.vase, self.scheduler_config.max_num_seqs, first, engine=engine
-            )
-            st.ACTIVE = self.model_runner.vase_state
+            state = st.WorkerState(self.vase, self.scheduler_config.max_num_seqs, first, engine=engine)
+            # vLLM's runner, built by the call above, is dropped before any model or cache is put in it
+            self.model_runner = VaseCPUModelRunner(self.vllm_config, self.device, state)
 
     def vase_stats(self) -> dict | None:
         """This worker's counters (``LLM.collective_rpc("vase_stats")``, one dict per worker, any executor): rows
@@ -83,9 +86,16 @@ class VaseCPUWorker(CPUWorker):
 
 
 class VaseCPUModelRunner(CPUModelRunner):
-    """vLLM's ``CPUModelRunner`` plus per-request eviction state and a per-step plan (see the module docstring)."""
+    """vLLM's ``CPUModelRunner`` plus per-request eviction state and a per-step plan (see the module docstring).
 
-    vase_state: st.WorkerState
+    Args:
+        vllm_config, device: as vLLM's runner.
+        state: the worker's :class:`vase.vllm.state.WorkerState`.
+    """
+
+    def __init__(self, vllm_config, device, state: st.WorkerState):
+        super().__init__(vllm_config, device)
+        self.vase_state = state
 
     def get_kv_cache_spec(self):
         specs = super().get_kv_cache_spec()
@@ -114,6 +124,10 @@ class VaseCPUModelRunner(CPUModelRunner):
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        for groups_of_one_cache in self.attn_groups:  # the builders read each step's plan from the worker's state
+            for group in groups_of_one_cache:
+                for builder in group.metadata_builders:
+                    builder.vase_state = self.vase_state
         groups = {
             g: list(group.layer_names)
             for g, group in enumerate(kv_cache_config.kv_cache_groups)

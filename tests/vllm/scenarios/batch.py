@@ -100,7 +100,7 @@ if __name__ == "__main__":
     first, second = compressed[0], plain[0]
     first_seed, second_seed = compressed[1], plain[1]
     # the same, the first aborted while it waits: its compression never runs, nothing of it stays held
-    from vase.vllm import state
+    import vase.vllm
 
     eng.add_request("held", common.tokens_prompt(first), common.params(n, extra_args={"vase_seed": first_seed}))
     eng.step()
@@ -108,7 +108,7 @@ if __name__ == "__main__":
     eng.step()
 
     def held():  # the engine's own id of a request is the given one plus a suffix
-        return sum(any(r.startswith("held") for r in p.evicting) for p in state.ACTIVE.pending)
+        return sum(any(r.startswith("held") for r in p.evicting) for p in vase.vllm.worker_state(llm).pending)
 
     waiting = held()
     eng.abort_request(["held"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import common
 
-from vase.vllm import state as vstate
+import vase.vllm
 
 if __name__ == "__main__":
     spec, out = common.job()
@@ -44,7 +44,7 @@ if __name__ == "__main__":
             for o in eng.step():
                 if o.finished:
                     tokens[names.get(o.request_id, o.request_id)] = list(o.outputs[0].token_ids)
-            ws = vstate.ACTIVE
+            ws = vase.vllm.worker_state(llm)
             for rid, row in ws.row_of.items():
                 name = names.get(rid, rid)
                 started.setdefault(name, step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import common
 
-from vase.vllm import state as vstate
+import vase.vllm
 
 if __name__ == "__main__":
     spec, out = common.job()
@@ -42,7 +42,7 @@ if __name__ == "__main__":
             for i in range(len(ids)):
                 for j in range(i + 1, len(ids)):
                     shared = max(shared, len(set(ids[i]) & set(ids[j])))
-            ws = vstate.ACTIVE
+            ws = vase.vllm.worker_state(llm)
             if ws is not None:
                 for rid, row in ws.row_of.items():
                     if ws.seq.schedule.evictions[row] and rid in lists and rid not in trims:

@@ -23,7 +23,8 @@ import math
 import common
 import torch
 
-from vase.vllm import state as vstate
+import vase.vllm
+import vase.vllm.seam
 
 
 def _held(managers) -> dict[str, list[int]]:
@@ -71,7 +72,7 @@ def deferred(spec, prefix_caching: bool) -> dict:
             if o.finished:
                 tokens[names.get(o.request_id, o.request_id)] = list(o.outputs[0].token_ids)
         step += 1
-        ws = vstate.ACTIVE
+        ws = vase.vllm.worker_state(llm)
         reads = _pending_reads(ws)
         if waited is None and any(names.get(r) == "a" for r in reads):
             waited = step
@@ -114,7 +115,7 @@ def deferred(spec, prefix_caching: bool) -> dict:
 
 def _contents(llm, blocks: list[int]) -> torch.Tensor:
     """The bytes of ``blocks`` in every layer's KV cache (in-process engine)."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = vase.vllm.seam.driver_worker(llm).model_runner
     return torch.stack([kv[blocks].clone() for kv in runner.kv_caches])
 
 
