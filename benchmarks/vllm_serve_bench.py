@@ -171,7 +171,7 @@ class Server:
             spec, flags = spec.split("|", 1)
             extra = shlex.split(flags)
         common = [
-            "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--port", str(self.port), "--seed", "0", "--gpu-memory-utilization", "0.3",
         ]  # fmt: skip
         # the same KV memory for every engine: a pool of `--pool-tokens` tokens in each engine's own block size
@@ -526,6 +526,7 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pool-gib", type=int, default=4,
                     help="KV space in whole GiB (vLLM CPU reads an integer) without --pool-tokens")  # fmt: skip
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--dtype", default="float32", help="the model's dtype in every server (float32, bfloat16)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--system-prompt", type=int, default=0, help="tokens of a system message shared by all requests")
     ap.add_argument("--task", default="math500")

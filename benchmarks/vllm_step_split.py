@@ -74,7 +74,7 @@ def run_one(args) -> dict:
         kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // 32) + args.requests, 4096 // 32)
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=True,
         seed=0,
         max_num_seqs=max(64, args.requests),
@@ -147,6 +147,7 @@ def run_one(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "build" / "vllm" / "smollm2"))
+    ap.add_argument("--dtype", default="float32", help="the model's dtype in the engines (float32, bfloat16)")
     ap.add_argument("--requests", type=int, default=24, help="requests decoding together")
     ap.add_argument(
         "--stock-requests",

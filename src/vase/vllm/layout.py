@@ -115,7 +115,9 @@ class PagedLayout:
 
 class HeadMajorKT(PagedLayout):
     """vLLM's CPU backend with ISA ``vec`` / ``vec16``, as its source lays it out: per (block, KV head), keys
-    transposed ``[D, block_size]`` then values ``[block_size, D]``. The reference :func:`probe` is tested against."""
+    transposed ``[D, block_size]`` then values ``[block_size, D]``, read through views (no index gather). Used where
+    :func:`probe` finds this layout (:func:`vase.vllm.paged.cpu_layout`), and the reference the probe is tested
+    against."""
 
     name = "cpu-vec"
 
