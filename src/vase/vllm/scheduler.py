@@ -46,7 +46,6 @@ run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from . import metrics
@@ -499,8 +498,3 @@ def blocks_in_use(scheduler) -> int:
     """Blocks of the pool held by requests now (the pool's size less its free blocks and the null block)."""
     pool = scheduler.kv_cache_manager.block_pool
     return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
-
-
-def cap_blocks_for(settings: EngineSettings, prompt_tokens: int, max_len: int) -> int:
-    """Blocks a request may hold (see :meth:`vase.vllm.settings.EngineSettings.request_cap_tokens`)."""
-    return math.ceil(settings.request_cap_tokens(prompt_tokens, max_len) / settings.block_size)
