@@ -553,12 +553,16 @@ def run(argv: list[str] | None = None) -> dict:
     results["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     machine = _machine()
     print(f"[bench] machine: {_describe(machine)}", flush=True)
-    done = {r["workload"] for r in results["workloads"]}
     engines = [e.split("=", 1) for e in args.engines]
     cores = args.cores.split(",")
     groups = [[e] for e in engines] if args.sequential else [engines]
-    todo = [(i, w) for i, w in enumerate(args.workloads) if w not in done]
-    for group in groups if todo else []:
+    for group in groups:
+        # a workload is done for a group when every engine of the group has its figures (sequential runs resume
+        # one engine at a time)
+        done = {r["workload"] for r in results["workloads"] if all(n in r["engines"] for n, _ in group)}
+        todo = [(i, w) for i, w in enumerate(args.workloads) if w not in done]
+        if not todo:
+            continue
         servers = []
         try:
             for k, (name, spec) in enumerate(group):

@@ -67,3 +67,41 @@ def test_merge_puts_each_machine_on_its_own_row(bench, tmp_path):
     assert "| CPU A | burst | vase |" in text and "| CPU B | burst | vase |" in text
     with pytest.raises(SystemExit, match="summary.json not found"):
         bench.merge(tmp_path / "n", [tmp_path / "missing"])
+
+
+def test_a_sequential_rerun_measures_what_each_engine_lacks(bench, tmp_path, monkeypatch):
+    """A repeat interrupted after the second engine's first workload: the rerun serves that engine only the
+    workload it lacks and the first engine every workload (a workload counts as done per engine, not per row)."""
+    served = []
+
+    class Server:
+        def __init__(self, args, name, spec, core, out):
+            self.name = name
+
+        def wait(self):
+            pass
+
+        def stop(self):
+            pass
+
+    def run_workload(args, servers, w, i, out):
+        served.extend((s.name, w) for s in servers)
+        return {"workload": w, "wall_s": 1.0, "engines": {s.name: {"client": {}} for s in servers}}
+
+    monkeypatch.setattr(bench, "Server", Server)
+    monkeypatch.setattr(bench, "_run_workload", run_workload)
+    monkeypatch.setattr(bench, "_machine", lambda: {"cpu": "CPU A", "isa": [], "cores": 2, "memory_gib": 24.0})
+    monkeypatch.setattr(bench, "_table", lambda results, first: "")
+    (tmp_path / "results.json").write_text(
+        json.dumps({"workloads": [{"workload": "burst", "engines": {"vase": {"client": {}}}}]})
+    )
+    argv = ["--out", str(tmp_path), "--sequential", "--workloads", "burst", "poisson:2"]
+    results = bench.run([*argv, "--engines", "vase=vase:budget=256:buffer=64", "vllm=stock"])
+    assert served == [("vase", "poisson:2"), ("vllm", "burst"), ("vllm", "poisson:2")]
+    assert {r["workload"]: sorted(r["engines"]) for r in results["workloads"]} == {
+        "burst": ["vase", "vllm"],
+        "poisson:2": ["vase", "vllm"],
+    }
+    served.clear()
+    bench.run([*argv, "--engines", "vase=vase:budget=256:buffer=64", "vllm=stock"])
+    assert served == []  # all done: no server starts

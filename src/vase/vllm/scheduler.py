@@ -50,94 +50,12 @@ from dataclasses import dataclass
 
 from . import metrics
 from .admission import Demand, plan_admission
-from .seam import (
-    FullAttentionManager,
-    FullAttentionSpec,
-    KVCacheSpecRegistry,
-    Scheduler,
-    SlidingWindowManager,
-    init_logger,
-)
-from .settings import FULL, EngineSettings, settings_from
+from .manager import CappedFullAttentionManager, register_capped_manager
+from .seam import Scheduler, SlidingWindowManager, init_logger
+from .settings import FULL, settings_from
 from .state import request_budget
 
 logger = init_logger("vllm.plugins.vase")
-
-
-class CappedFullAttentionManager(FullAttentionManager):
-    """A ``FullAttentionManager`` that allocates a request at most its cap (see the module docstring).
-
-    Built by vLLM for the groups of :class:`vase.vllm.spec.VaseFullAttentionSpec` (registered by
-    :class:`VaseScheduler`), which then sets: ``vase`` (the settings), ``vase_caps`` (request id -> cap in
-    tokens: the length of its block list), ``vase_trims`` (request id -> (processed tokens, first, end): once that
-    many tokens are processed, the request's blocks outside ``[first, end)`` go back to the pool and its cap becomes
-    ``end``: a dense prompt's first eviction, a shrink), ``vase_fronts`` (request id -> its prompt blocks that are
-    never rewritten, with prefix caching: only they are cached), ``vase_stats``.
-    """
-
-    vase: EngineSettings
-    vase_caps: dict
-    vase_trims: dict
-    vase_fronts: dict
-    vase_stats: dict
-
-    def _vase_tokens(self, request_id: str, num_tokens: int) -> int:
-        cap = self.vase_caps.get(request_id, self.vase.cap_tokens)
-        if self.vase.admission != "grow":
-            return cap  # every block the request may hold, from the start
-        return min(num_tokens, cap)
-
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
-        return super().get_num_blocks_to_allocate(
-            request_id, self._vase_tokens(request_id, num_tokens), *args, **kwargs
-        )
-
-    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
-        n = self._vase_tokens(request_id, num_tokens)
-        out = super().allocate_new_blocks(request_id, n, min(num_tokens_main_model, n))
-        live = self.live_blocks(request_id)
-        stats = self.vase_stats
-        stats["max_blocks_held"] = max(stats["max_blocks_held"], live)
-        cap_blocks = self.vase_caps.get(request_id, self.vase.cap_tokens) // self.block_size
-        stats["max_over_cap"] = max(stats["max_over_cap"], live - cap_blocks)
-        return out
-
-    def live_blocks(self, request_id: str) -> int:
-        """Blocks of the pool a request holds (its block list less the null block)."""
-        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
-
-    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
-        """Once a trim's step is processed (a dense prompt's first eviction, a shrink), return the blocks past it."""
-        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        trim = self.vase_trims.get(request_id)
-        if trim is None or processed_computed_tokens < trim[0]:
-            return
-        del self.vase_trims[request_id]
-        _, first, end = trim
-        self.vase_caps[request_id] = end * self.block_size
-        blocks = self.req_to_blocks.get(request_id, [])
-        freed = []
-        for i in [*range(len(blocks) - 1, end - 1, -1), *range(first - 1, -1, -1)]:  # tail first, as vLLM frees
-            if not blocks[i].is_null:  # past earlier trims' null blocks too
-                freed.append(blocks[i])
-                blocks[i] = self._null_block
-        if freed:
-            self.block_pool.free_blocks(freed)  # prompt blocks keep their hashes: still a prefix-cache hit
-        self.vase_stats["trimmed"] += 1
-
-    def cache_blocks(self, request, num_tokens, *args, **kwargs):
-        """Only a request's front blocks (its full prompt blocks) are ever named by a hash: the blocks after them are
-        rewritten by eviction."""
-        front = self.vase_fronts.get(request.request_id)
-        if front is not None:
-            num_tokens = min(num_tokens, front * self.block_size)
-        return super().cache_blocks(request, num_tokens, *args, **kwargs)
-
-    def free(self, request_id: str) -> None:
-        self.vase_caps.pop(request_id, None)
-        self.vase_trims.pop(request_id, None)
-        self.vase_fronts.pop(request_id, None)
-        super().free(request_id)
 
 
 @dataclass
@@ -177,6 +95,15 @@ class VaseScheduler(Scheduler):
         ValueError: a KV cache manager other than full attention or a sliding window (a model with other layer
             kinds), or no full-attention layer.
     """
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        # vLLM builds the configured scheduler_cls; under its async scheduling (decided with the final configuration)
+        # the async variant, vase.vllm.async_scheduler.VaseAsyncScheduler
+        if cls is VaseScheduler and vllm_config.scheduler_config.async_scheduling:
+            from .async_scheduler import VaseAsyncScheduler
+
+            cls = VaseAsyncScheduler
+        return super().__new__(cls)
 
     def __init__(self, vllm_config, *args, **kwargs):
         self.vase = settings_from(vllm_config)  # a clear error at engine start
@@ -221,6 +148,7 @@ class VaseScheduler(Scheduler):
                     "window (which vLLM bounds)"
                 )
             m.vase, m.vase_caps, m.vase_trims, m.vase_fronts, m.vase_stats = self.vase, {}, {}, {}, self.vase_stats
+            m.vase_release = self._vase_release
             self._vase_managers.append(m)
         if not self._vase_managers:
             raise ValueError("vase: the model has no full-attention layer to evict")
@@ -232,6 +160,14 @@ class VaseScheduler(Scheduler):
         self._vase_window_specs = [m.kv_cache_spec for m in self._vase_others]
         self.vase_stats["cap_blocks"] = self.vase.cap_blocks
         logger.info("vase: %s", self.vase.describe())
+
+    def _vase_release(self, blocks: list) -> None:
+        """Blocks a trim gives back (tail first): to the pool now; with ``defer_block_free`` (async scheduling) once
+        the last step scheduled, whose block table still lists them, is processed (vLLM's deferred frees)."""
+        if self.defer_block_free and self.sched_step_seq > self.processed_step_seq:
+            self.deferred_frees.append((self.sched_step_seq, blocks[::-1]))  # drained in reverse: tail first
+        else:
+            self.kv_cache_manager.block_pool.free_blocks(blocks)
 
     def add_request(self, request) -> None:
         if self._vase_managers:
@@ -476,16 +412,6 @@ class VaseScheduler(Scheduler):
                 del self._vase_reqs[rid]
                 self._vase_shrinking.discard(rid)
                 self._vase_held.discard(rid)
-
-
-def register_capped_manager() -> None:
-    """Register :class:`CappedFullAttentionManager` as the manager of vase's full-attention spec in vLLM's KV cache
-    spec registry (idempotent). vLLM's built-in specs are registered first: the registry registers them only while
-    it is empty, so an entry of ours alone would keep them out."""
-    from .spec import VaseFullAttentionSpec
-
-    KVCacheSpecRegistry.check_kv_cache_spec_registry({})  # the built-in specs, if not yet
-    KVCacheSpecRegistry.register(VaseFullAttentionSpec, CappedFullAttentionManager, FullAttentionSpec)
 
 
 def _share(managers, request_id: str) -> float:

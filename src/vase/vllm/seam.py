@@ -31,6 +31,7 @@ ALLOW_ENV = "VASE_ALLOW_UNTESTED_VLLM"
 # every vLLM name vase uses that is not a documented extension point: the name here -> where vLLM defines it
 NAMES = {
     "Scheduler": "vllm.v1.core.sched.scheduler:Scheduler",
+    "AsyncScheduler": "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
     "FullAttentionManager": "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager",
     "SlidingWindowManager": "vllm.v1.core.single_type_kv_cache_manager:SlidingWindowManager",
     "KVCacheCoordinator": "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator",  # called on the scheduler's
@@ -66,6 +67,8 @@ SIGNATURES = {
     "Scheduler.finish_requests": ("self", "request_ids", "finished_status"),
     "Scheduler.update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "Scheduler._get_local_prefix_cache_hit": ("self", "request"),
+    "Scheduler._request_blocks_can_be_freed": ("self", "request"),  # with defer_block_free (async scheduling)
+    "Scheduler._drain_deferred_frees": ("self",),
     "FullAttentionManager.get_num_blocks_to_allocate": (
         "self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
         "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "prefill_end",
@@ -75,7 +78,7 @@ SIGNATURES = {
         "self", "request_id", "processed_computed_tokens", "num_prompt_tokens",
     ),
     "FullAttentionManager.cache_blocks": ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"),
-    "FullAttentionManager.free": ("self", "request_id"),
+    "FullAttentionManager.pop_blocks_for_free": ("self", "request_id"),
     "KVCacheCoordinator.find_longest_cache_hit": ("self", "block_hashes", "max_cache_hit_length"),
     "KVCacheManager.create_kv_cache_blocks": ("self", "blocks"),
     "BlockPool.free_blocks": ("self", "ordered_blocks"),
