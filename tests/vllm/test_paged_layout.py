@@ -38,9 +38,17 @@ def _evicted(layout, order: str, dtype=torch.float32) -> tuple[torch.Tensor, tor
     """Two rows of 70 entries (blocks 0, 3, 5, 7, 9 and 8, 6, 4, 2, 1) written at their slots, evicted to a budget
     of 24 by ``vase`` (sampled, value guard) and written back in place; their first 24 slots read back, and what
     the eviction chose."""
+    return _evicted_in(layout, order, dtype)[2:]
+
+
+ROWS = torch.tensor([[0, 3, 5, 7, 9], [8, 6, 4, 2, 1]])
+
+
+def _evicted_in(layout, order: str, dtype=torch.float32):
+    """:func:`_evicted`, with the cache and the rows' block ids first."""
     g = torch.Generator().manual_seed(3)
     cache = empty_cache(layout, BLOCKS, H, BS, D, dtype, order)
-    rows = torch.tensor([[0, 3, 5, 7, 9], [8, 6, 4, 2, 1]])
+    rows = ROWS
     n = 70
     j = torch.arange(n)
     slots = rows[:, j // BS] * BS + j % BS  # [2, n]
@@ -61,7 +69,7 @@ def _evicted(layout, order: str, dtype=torch.float32) -> tuple[torch.Tensor, tor
     kk, vv, _, _ = gather_kept(ev.indices, ev.keep, held_k, held_v, positions, ev.state)
     layout.write_front(cache, rows, kk, vv)  # in place: slots 0..23 of the blocks just read
     got_k, got_v = layout.gather(cache, rows, 24)
-    return got_k, got_v, ev.indices
+    return cache, rows, got_k, got_v, ev.indices
 
 
 def test_the_same_eviction_keeps_the_same_entries_in_every_layout():
@@ -89,6 +97,55 @@ def test_token_major_split_layout_is_what_the_gpu_backends_read():
     key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)
     assert torch.equal(key_cache[1, 5], k[0]) and torch.equal(value_cache[1, 5], v[0])
     assert key_cache.abs().sum() == k.abs().sum()  # nothing else written
+
+
+def paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale):
+    """Plain-torch paged attention from exactly what vLLM's GPU backends take: ``query`` ``[T, Hq, D]``, key / value
+    caches ``[blocks, block_size, H, D]`` (``kv_cache.transpose(1, 2).split(D, -1)``), ``block_table`` ``[R, nb]``,
+    ``seq_lens`` ``[R]`` (tokens in the cache, the new ones included), ``query_start_loc`` ``[R + 1]``; query ``i``
+    of a row's ``q`` attends its first ``seq_len - q + i + 1`` slots (causal). ``[T, Hq, D]``."""
+    bs, h = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty_like(query)
+    for r in range(len(seq_lens)):
+        n, q0, q1 = int(seq_lens[r]), int(query_start_loc[r]), int(query_start_loc[r + 1])
+        j = torch.arange(n)
+        blocks, offsets = block_table[r, j // bs], j % bs
+        k, v = key_cache[blocks, offsets], value_cache[blocks, offsets]  # [n, H, D]
+        q = query[q0:q1]  # [q, Hq, D]
+        group = q.shape[1] // h
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
+        allowed = j.view(1, -1) <= (n - (q1 - q0) + torch.arange(q1 - q0)).view(-1, 1)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[q0:q1] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def test_attention_over_the_token_major_cache_after_eviction_is_over_the_kept_entries():
+    """After an eviction compacted in place in the GPU backends' token-major cache and a decode step written at the
+    plan's physical slot, paged attention computed from the backend's own arguments (its view of the cache, the
+    block table, physical ``seq_lens``, ``query_start_loc``) equals attention over exactly the kept entries and the
+    new token; the CPU backend's layout gives the same."""
+    g = torch.Generator().manual_seed(5)
+    new_k, new_v = torch.randn(2, H, D, generator=g), torch.randn(2, H, D, generator=g)
+    query = torch.randn(2, 2 * H, D, generator=g)  # one decode token per row, GQA groups of 2
+    seq_lens, qsl = torch.tensor([25, 25]), torch.tensor([0, 1, 2])
+    slot = ROWS[:, 24 // BS] * BS + 24 % BS  # each row's physical fill after the eviction to 24
+    outs = {}
+    for name, (layout, order) in LAYOUTS.items():
+        cache, rows, kept_k, kept_v, _ = _evicted_in(layout, order)
+        layout.write_slots(cache, slot, new_k, new_v)
+        key_cache, value_cache = layout.views(cache)  # [blocks, H, bs, D]
+        if name.startswith("split"):
+            key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)  # as the Triton backend reads it
+        else:
+            key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+        outs[name] = paged_attention(query, key_cache, value_cache, rows, seq_lens, qsl, D**-0.5)
+        k = torch.cat([kept_k, new_k.unsqueeze(2)], dim=2).repeat_interleave(2, dim=1)  # [R, Hq, 25, D]
+        v = torch.cat([kept_v, new_v.unsqueeze(2)], dim=2).repeat_interleave(2, dim=1)
+        dense = torch.nn.functional.scaled_dot_product_attention(query.unsqueeze(2), k, v).squeeze(2)
+        torch.testing.assert_close(outs[name], dense, rtol=1e-5, atol=1e-6)
+    assert torch.equal(outs["split-token-major"], outs["cpu-vec"])
 
 
 @needs_vllm
