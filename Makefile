@@ -21,8 +21,12 @@ VLLM_MODEL := build/vllm/smollm2
 VLLM_OLD       := 0.31.0
 VLLM_OLD_VENV  := .venv-vllm-$(VLLM_OLD)
 VLLM_OLD_STAMP := $(VLLM_OLD_VENV)/.vase-vllm-setup
+# OpenVINO GenAI, the CPU peer benchmarks/peer_openvino.py compares with (optional: not part of `make test`)
+OV_VENV  := .venv-openvino
+OV_STAMP := $(OV_VENV)/.vase-openvino-setup
+OV_MODEL := build/openvino/smollm2
 
-.PHONY: setup gemma3 vllm vllm-old demo test bench gpu-bench clean
+.PHONY: setup gemma3 vllm vllm-old openvino demo test bench gpu-bench clean
 
 setup: $(STAMP)
 
@@ -64,6 +68,23 @@ $(VLLM_OLD_STAMP): pyproject.toml Makefile
 	$(VLLM_OLD_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_OLD_STAMP)
 
+openvino: $(OV_STAMP) $(OV_MODEL)/openvino_model.xml
+
+# OpenVINO GenAI and its exporter in their own environment: the pinned CPU torch first; optimum-intel without its
+# dependencies, which would pull torchvision and with it a CUDA torch of several GB (the exporter needs neither)
+$(OV_STAMP): Makefile
+	test -x $(OV_VENV)/bin/python || $(PYTHON) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
+	$(OV_VENV)/bin/python -m pip install -q --disable-pip-version-check openvino==2026.4.1 \
+		openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 nncf==3.4.0 optimum==2.3.0 'transformers==5.5.4'
+	$(OV_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps optimum-intel==2.2.0
+	touch $(OV_STAMP)
+
+# the embedded model exported for OpenVINO (float32 weights, its tokenizer), from the folder vLLM loads
+$(OV_MODEL)/openvino_model.xml: $(OV_STAMP) $(VLLM_MODEL)/vase-convert.json
+	$(OV_VENV)/bin/optimum-cli export openvino --model $(VLLM_MODEL) --weight-format fp32 \
+		--task text-generation-with-past $(OV_MODEL)
+
 # the embedded model as a folder vLLM loads (vLLM cannot read the GGUF on CPU), converted in the main environment
 $(VLLM_MODEL)/vase-convert.json: | $(STAMP)
 	$(VENV)/bin/vase convert smollm2 $(VLLM_MODEL)
@@ -85,4 +106,4 @@ gpu-bench:
 	bash benchmarks/gpu_checks.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(OV_VENV) build *.egg-info src/*.egg-info .pytest_cache
