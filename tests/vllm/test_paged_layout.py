@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.vllm.scenarios.paged_reference import paged_attention
 from tests.vllm.test_vllm import _run_script, needs_vllm
 from vase.core.config import VaseConfig
 from vase.core.evict import evict_layer, gather_kept
@@ -97,28 +98,6 @@ def test_token_major_split_layout_is_what_the_gpu_backends_read():
     key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)
     assert torch.equal(key_cache[1, 5], k[0]) and torch.equal(value_cache[1, 5], v[0])
     assert key_cache.abs().sum() == k.abs().sum()  # nothing else written
-
-
-def paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale):
-    """Plain-torch paged attention from exactly what vLLM's GPU backends take: ``query`` ``[T, Hq, D]``, key / value
-    caches ``[blocks, block_size, H, D]`` (``kv_cache.transpose(1, 2).split(D, -1)``), ``block_table`` ``[R, nb]``,
-    ``seq_lens`` ``[R]`` (tokens in the cache, the new ones included), ``query_start_loc`` ``[R + 1]``; query ``i``
-    of a row's ``q`` attends its first ``seq_len - q + i + 1`` slots (causal). ``[T, Hq, D]``."""
-    bs, h = key_cache.shape[1], key_cache.shape[2]
-    out = torch.empty_like(query)
-    for r in range(len(seq_lens)):
-        n, q0, q1 = int(seq_lens[r]), int(query_start_loc[r]), int(query_start_loc[r + 1])
-        j = torch.arange(n)
-        blocks, offsets = block_table[r, j // bs], j % bs
-        k, v = key_cache[blocks, offsets], value_cache[blocks, offsets]  # [n, H, D]
-        q = query[q0:q1]  # [q, Hq, D]
-        group = q.shape[1] // h
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
-        allowed = j.view(1, -1) <= (n - (q1 - q0) + torch.arange(q1 - q0)).view(-1, 1)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out[q0:q1] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
-    return out
 
 
 def test_attention_over_the_token_major_cache_after_eviction_is_over_the_kept_entries():

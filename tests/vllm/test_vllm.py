@@ -268,6 +268,7 @@ def test_serve_argv_fills_in_the_engine_flags():
         (["--vase", "vase:budget=256", "-pp", "2"], "pipeline parallelism is not supported"),
         (["--vase", "snapkv:budget=256", "--enable-prefix-caching"], "this policy compresses prompts at prefill"),
         (["--vase", "vase:budget=256", "--kv-cache-dtype", "fp8"], "kv_cache_dtype 'fp8'"),
+        (["--vase", "vase:budget=256", "--kv-cache-dtype", "int8_per_token_head"], "that the compaction would not"),
         (["--vase", "vase:budget=256", "--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
     ],
 )

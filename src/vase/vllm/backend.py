@@ -21,15 +21,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
-
 from . import compact
-from . import state as st
 from .layout import LayoutError
 from .paged import cpu_layout
+from .plan_metadata import PlanBuilder
 from .seam import AttentionType, CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
-from .settings import settings_from
-from .spec import VaseFullAttentionSpec
 
 
 class VaseCPUAttentionBackend(CPUAttentionBackend):
@@ -50,8 +46,9 @@ class VaseCPUAttentionBackend(CPUAttentionBackend):
         return VaseCPUAttentionMetadataBuilder
 
 
-class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    """vLLM's builder, given the step plan's physical lengths and slots (see the module docstring).
+class VaseCPUAttentionMetadataBuilder(PlanBuilder, CPUAttentionMetadataBuilder):
+    """vLLM's builder, given the step plan's physical lengths and slots (see the module docstring and
+    :class:`vase.vllm.plan_metadata.PlanBuilder`).
 
     Raises:
         VaseConfigError: at engine start, for a configuration :func:`vase.vllm.settings.settings_from` refuses (this
@@ -62,12 +59,7 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.vase = settings_from(vllm_config)
-        self.vase_layers = list(layer_names)
-        if not isinstance(kv_cache_spec, VaseFullAttentionSpec):  # a sliding-window group: vLLM's own metadata
-            self.vase = None
-        self.vase_paged = None
-        self.vase_buffers = None  # persistent seq_lens, slot mapping, block table (_vase_buffers)
+        self.vase_setup(kv_cache_spec, layer_names, vllm_config)
         if self.vase is not None and self.vase.evicts:
             spec = kv_cache_spec
             try:  # the cache's layout for this kernel ISA, read off vLLM's own cache write
@@ -75,33 +67,13 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             except LayoutError as exc:
                 raise ValueError(f"vase cannot read the KV cache of the CPU attention ISA {self.isa!r}: {exc}") from exc
 
-    vase_state: st.WorkerState | None = None  # handed over by vase's model runner (vase.vllm.worker)
-
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        ws = self.vase_state
-        plan = ws.plan if (ws is not None and self.vase is not None) else None
+        plan, layout = self.vase_plan(common_attn_metadata)
         if plan is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         t = time.perf_counter()
-        cm = common_attn_metadata
-        if cm.num_reqs != plan.num_reqs:
-            raise RuntimeError(f"vase: the step plan has {plan.num_reqs} requests, the metadata {cm.num_reqs}")
-        layout = plan.layouts[ws.layer_group[self.vase_layers[0]]]
-        seq_lens, slots, table = self._vase_buffers(cm.num_reqs, len(layout.slot_mapping), cm.block_table_tensor)
-        seq_lens.copy_(plan.seq_lens)
-        slots.copy_(layout.slot_mapping)
-        table.copy_(cm.block_table_tensor)
-        if plan.shifted.any():  # rows past their front blocks (prefix caching): their blocks from there on
-            rows = torch.from_numpy(plan.shifted)
-            nb = min(layout.block_rows.shape[1], table.shape[1])
-            table[rows, :nb] = layout.block_rows[rows, :nb].to(table.dtype)
-        cm = dataclasses.replace(
-            cm,
-            seq_lens=seq_lens,
-            max_seq_len=int(plan.seq_lens.max()),
-            slot_mapping=slots,
-            block_table_tensor=table,
-        )
+        ws = self.vase_state
+        cm = self.vase_metadata(common_attn_metadata, plan, layout)
         if plan.dense.any():
             # dense rows do not fit in their blocks: the kernel attends them over a scratch cache of their own
             # (vase.vllm.compact.DenseSplit), the other rows over the paged cache, a call per run of adjacent rows
@@ -119,26 +91,9 @@ class VaseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         md.vase_state = ws
         md.vase_layout = layout
         md.vase_paged = self.vase_paged
-        md.vase_tokens, md.vase_slots = cm.num_actual_tokens, slots
+        md.vase_tokens, md.vase_slots = cm.num_actual_tokens, cm.slot_mapping
         ws.stats["t_build"] += time.perf_counter() - t
         return md
-
-    def _vase_buffers(self, rows: int, tokens: int, table: torch.Tensor):
-        """Views of the builder's persistent ``seq_lens`` ``[rows]`` int32, slot mapping ``[tokens]`` int64 and block
-        table ``[rows, blocks]`` (``table``'s dtype): allocated once for the engine's largest step (``max_num_seqs``
-        rows, ``max_num_batched_tokens`` tokens), so the kernel reads the plan from the same storage at every step
-        and batch size, as a captured CUDA graph needs (vLLM's own metadata buffers are persistent the same way).
-        Reallocated, larger, only for a step beyond them (never, within the engine's limits)."""
-        b = self.vase_buffers
-        if b is None or rows > len(b[0]) or tokens > len(b[1]) or table.shape[1] != b[2].shape[1]:
-            sc = self.vllm_config.scheduler_config
-            most_rows, most_tokens = max(rows, sc.max_num_seqs), max(tokens, sc.max_num_batched_tokens)
-            b = self.vase_buffers = (
-                torch.zeros(most_rows, dtype=torch.int32, device=table.device),
-                torch.zeros(most_tokens, dtype=torch.int64, device=table.device),
-                torch.zeros(most_rows, table.shape[1], dtype=table.dtype, device=table.device),
-            )
-        return b[0][:rows], b[1][:tokens], b[2][:rows]
 
 
 class VaseCPUAttentionImpl(CPUAttentionBackendImpl):

@@ -93,7 +93,12 @@ def check_flags(flags: EngineFlags, config: VaseConfig | None = None) -> list[st
             "rolled back): remove speculative_config"
         )
     if flags.kv_cache_dtype != "auto":
-        problems.append(f"kv_cache_dtype {flags.kv_cache_dtype!r}: only 'auto' (the model's dtype) is supported")
+        problems.append(
+            f"kv_cache_dtype {flags.kv_cache_dtype!r}: only 'auto' (the model's dtype) is supported with vase: the "
+            "eviction scores and moves the cache's entries in the model's dtype, and vLLM's quantized caches keep "
+            "scales (per tensor, or per token and head in tensors of their own) that the compaction would not move; "
+            "for quantized entries with eviction use vase on transformers (kv_bits)"
+        )
     if flags.v2_runner:
         problems.append("Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) is not supported: the hooks are in the V1 runner")
     if flags.tensor_parallel > 1 and config is not None and not config.policy.per_kv_head:
