@@ -7,12 +7,16 @@ and the exporter, CPU torch first; the model exported to ``build/openvino/smollm
 * ``throughput`` (OpenVINO only): 24 prompts x 1,024 sampled tokens (end-of-sequence ignored) offered at once to its
   ``ContinuousBatchingPipeline`` with a pool of ``--pool-tokens`` and eviction at ``--cap`` tokens per sequence
   (start 32, recent 64, as vase's 4 sinks + 64 recent are kept), then without eviction at the same pool; output
-  tokens per second of wall time. vLLM's figures at the same pool come from ``benchmarks/vllm_serve_bench.py``.
+  tokens per second of wall time, in-process (no HTTP server or client). ``--threads`` (default 2) and ``--f32``
+  (float32 compute and KV cache; OpenVINO's default on AMX CPUs is bfloat16) set what vLLM ran with to compare
+  like with like (the protocol's servers: float32, one thread). vLLM's figures at the same pool come from
+  ``benchmarks/vllm_serve_bench.py``.
 * ``agreement`` (either engine, ``--engine openvino`` or ``--engine vllm``): on a few prompts, greedy decoding with
   eviction against the same engine without it (its own full cache): the tokens until the first that differs, and
   the share of positions whose token is equal. vase in vLLM: ``vase:budget=256:buffer=64`` against plain vLLM.
 
-Writes ``OUT/<engine>-<measure>.json`` and prints one line per run.
+Writes ``OUT/<engine>-<measure>[-f32]-t<threads>.json`` (vLLM: ``OUT/vllm-agreement.json``) and prints one line
+per run.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def ov_agreement(args) -> list[dict]:
 # ------------------------------------------------------------------------------------------------------- vLLM
 def vllm_agreement(args) -> list[dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's CPU default takes most of the memory
     from vllm import LLM, SamplingParams
 
     import vase.vllm
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None):
     rows = run.get((args.engine, args.measure), vllm_agreement)(args)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    tag = "-f32" if args.f32 and args.engine == "openvino" else ""
+    tag = (f"{'-f32' if args.f32 else ''}-t{args.threads}") if args.engine == "openvino" else ""
     path = args.out / f"{args.engine}-{args.measure}{tag}.json"
     path.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     print(f"[peer] written: {path}")
