@@ -147,12 +147,8 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
     def _after_attention(self, layer, q, k, v, kv_cache, plan, md, output) -> None:
         ws = md.vase_state
         if self._vase_layer is None:
-            if self.sliding_window not in (-1, None) or self.alibi_slopes is not None or self.logits_soft_cap:
-                raise ValueError(
-                    f"vase: layer {layer.layer_name} uses a sliding window, ALiBi or a logit soft-cap, which eviction "
-                    "does not support in a full-attention layer"
-                )
-            self._vase_layer = ws.layer_index[layer.layer_name]
+            plain = self.sliding_window in (-1, None) and self.alibi_slopes is None and not self.logits_soft_cap
+            self._vase_layer = compact.full_attention_layer(ws, layer, plain)
         li, layout = self._vase_layer, md.vase_layout
         compact.save_queries(ws, li, q, plan)
         dense = {}
@@ -161,10 +157,7 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
             dense = compact.attend_dense(
                 self, layer, ws, li, q, k, v, kv_cache, output, plan, layout, split, md, md.vase_paged
             )
-        if plan.evict.any():
-            t = time.perf_counter()
-            compact.evict_rows(ws, li, layer, kv_cache, plan, layout, dense, self.scale, md.vase_paged)
-            ws.stats["t_evict"] += time.perf_counter() - t
+        compact.evict_rows(ws, li, layer, kv_cache, plan, layout, dense, self.scale, md.vase_paged)
 
     def attend_scratch(self, layer, query, scratch, md, output) -> None:
         """vLLM's kernel over a scratch cache (``md``: its metadata; the dense rows of a step)."""

@@ -25,6 +25,7 @@ Called by :class:`vase.vllm.backend.VaseCPUAttentionImpl` for each layer of a st
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,7 +218,30 @@ def evict_rows(
     """Compact the evicting rows of the step in layer ``li`` (its KV cache group's ``layout``; see the module
     docstring): the rows that fit in their blocks are left to :func:`evict_deferred`, and so are the dense ones
     (their entries kept from this layer's dense pass, ``dense``) within :data:`DEFER_BYTES`; past it the dense rows
-    are compacted now, one eviction per budget among them (requests with budgets of their own, ``vase_budget``)."""
+    are compacted now, one eviction per budget among them (requests with budgets of their own, ``vase_budget``).
+    Nothing without an evicting row; the time goes to ``ws.stats['t_evict']``."""
+    if not plan.evict.any():
+        return
+    t = time.perf_counter()
+    _evict_rows(ws, li, layer, kv_cache, plan, layout, dense, scale, paged)
+    ws.stats["t_evict"] += time.perf_counter() - t
+
+
+def full_attention_layer(ws, layer, plain: bool) -> int:
+    """The index of ``layer`` among vase's layers (``ws.layer_index``), once its attention is checked to be plain
+    full attention (``plain``: no sliding window, ALiBi or logit soft-cap, as the backend's impl holds them).
+
+    Raises:
+        ValueError: it is not (the eviction scores would not see what the kernel computes)."""
+    if not plain:
+        raise ValueError(
+            f"vase: layer {layer.layer_name} uses a sliding window, ALiBi or a logit soft-cap, which eviction "
+            "does not support in a full-attention layer"
+        )
+    return ws.layer_index[layer.layer_name]
+
+
+def _evict_rows(ws, li, layer, kv_cache, plan, layout, dense, scale, paged) -> None:
     dense_ev = [i for i in plan.schedule.evict if plan.dense[i]]
     later = defers_dense(ws, plan)
     if later or len(dense_ev) < len(plan.schedule.evict):

@@ -121,18 +121,10 @@ class _GpuEvictingImpl:
         ws = md.vase_state
         if self._vase_layer is None:
             window = tuple(self.sliding_window) if self.sliding_window is not None else (-1, -1)
-            if window != (-1, -1) or self.alibi_slopes is not None or self.logits_soft_cap:
-                raise ValueError(
-                    f"vase: layer {layer.layer_name} uses a sliding window, ALiBi or a logit soft-cap, which eviction "
-                    "does not support in a full-attention layer"
-                )
-            self._vase_layer = ws.layer_index[layer.layer_name]
-        li = self._vase_layer
-        compact.save_queries(ws, li, q, plan)
-        if plan.evict.any():
-            t = time.perf_counter()
-            compact.evict_rows(ws, li, layer, kv_cache, plan, md.vase_layout, {}, self.scale, md.vase_paged)
-            ws.stats["t_evict"] += time.perf_counter() - t
+            plain = window == (-1, -1) and self.alibi_slopes is None and not self.logits_soft_cap
+            self._vase_layer = compact.full_attention_layer(ws, layer, plain)
+        compact.save_queries(ws, self._vase_layer, q, plan)
+        compact.evict_rows(ws, self._vase_layer, layer, kv_cache, plan, md.vase_layout, {}, self.scale, md.vase_paged)
 
 
 class VaseFlashAttentionMetadataBuilder(_GpuPlanBuilder, FlashAttentionMetadataBuilder):

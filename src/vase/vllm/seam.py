@@ -62,6 +62,15 @@ NAMES = {
     "bench_main": "vllm.benchmarks.serve:main",
 }
 
+# what every attention backend's builder and impl vase subclasses take (the CPU, FlashAttention and Triton ones)
+_BUILDER_INIT = ("self", "kv_cache_spec", "layer_names", "vllm_config", "device")
+_BUILDER_BUILD = ("self", "common_prefix_len", "common_attn_metadata", "fast_build")
+_IMPL_FORWARD = (
+    "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
+    "output_block_scale",
+)  # fmt: skip
+_KV_CACHE_UPDATE = ("self", "layer", "key", "value", "kv_cache", "slot_mapping")
+
 # the methods vase overrides or calls (a name of NAMES, then attributes) -> their parameters as tested
 SIGNATURES = {
     "Scheduler.__init__": (
@@ -101,27 +110,18 @@ SIGNATURES = {
     "CPUModelRunner._update_states": ("self", "scheduler_output"),
     "CPUModelRunner._prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
     "CPUModelRunner.execute_model": ("self", "scheduler_output", "intermediate_tensors"),
-    "CPUAttentionMetadataBuilder.__init__": ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"),
-    "CPUAttentionMetadataBuilder.build": ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-    "CPUAttentionBackendImpl.forward": (
-        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
-        "output_block_scale",
-    ),
-    "CPUAttentionBackendImpl.do_kv_cache_update": ("self", "layer", "key", "value", "kv_cache", "slot_mapping"),
-    "FlashAttentionMetadataBuilder.__init__": ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"),
-    "FlashAttentionMetadataBuilder.build": ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-    "FlashAttentionImpl.forward": (
-        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
-        "output_block_scale",
-    ),
-    "FlashAttentionImpl.do_kv_cache_update": ("self", "layer", "key", "value", "kv_cache", "slot_mapping"),
-    "TritonAttentionMetadataBuilder.__init__": ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"),
-    "TritonAttentionMetadataBuilder.build": ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-    "TritonAttentionImpl.forward": (
-        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
-        "output_block_scale",
-    ),
-    "TritonAttentionImpl.do_kv_cache_update": ("self", "layer", "key", "value", "kv_cache", "slot_mapping"),
+    "CPUAttentionMetadataBuilder.__init__": _BUILDER_INIT,
+    "CPUAttentionMetadataBuilder.build": _BUILDER_BUILD,
+    "CPUAttentionBackendImpl.forward": _IMPL_FORWARD,
+    "CPUAttentionBackendImpl.do_kv_cache_update": _KV_CACHE_UPDATE,
+    "FlashAttentionMetadataBuilder.__init__": _BUILDER_INIT,
+    "FlashAttentionMetadataBuilder.build": _BUILDER_BUILD,
+    "FlashAttentionImpl.forward": _IMPL_FORWARD,
+    "FlashAttentionImpl.do_kv_cache_update": _KV_CACHE_UPDATE,
+    "TritonAttentionMetadataBuilder.__init__": _BUILDER_INIT,
+    "TritonAttentionMetadataBuilder.build": _BUILDER_BUILD,
+    "TritonAttentionImpl.forward": _IMPL_FORWARD,
+    "TritonAttentionImpl.do_kv_cache_update": _KV_CACHE_UPDATE,
     "cpu_attn_reshape_and_cache": (
         "key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale", "kv_cache_dtype",
     ),
