@@ -43,6 +43,7 @@ TOPICS = [
     "windmills", "owls", "paper", "maps", "bicycles",
 ]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
+STOCK_BLOCK = 128  # vLLM's default KV block size on CPU (tokens)
 
 
 def child_result(cmd: list[str], env: dict, what: str, cwd=None) -> dict:

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_serving import FAST_ENV, ROOT, child_result, prompts
+from vllm_serving import FAST_ENV, ROOT, STOCK_BLOCK, child_result, prompts
 
 PARTS = ("forward", "vase", "sampler", "rest")
 
@@ -70,9 +70,8 @@ def run_one(args) -> dict:
         kw = vase.vllm.engine_args("vase", budget=args.budget, buffer=args.buffer)
         blocks = -(-args.requests * (args.budget + args.buffer + 128) // 32)  # each request's cap, with its prompt
     else:
-        # every request whole, and at least one of the longest (vLLM checks it at start), in blocks of 128 tokens
-        # (vLLM's default on CPU): counted in vase's 32 a model with a larger KV cache runs out of memory
-        bs = 128
+        # every request whole, and at least one of the longest (vLLM checks it at start), in stock vLLM's own blocks
+        bs = STOCK_BLOCK
         kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // bs) + args.requests, 4096 // bs)
     llm = LLM(
         model=args.model,
