@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The runs of docs/RESULTS.md "Quantize what is kept, protect what is large": evict-only, quantize-only and
-# evict + quantize at equal KV bytes (byte ratios 4, 8, 16 against the full cache in float32), buffer 32, on 10 GSM8K
+# evict + quantize at equal KV bytes (byte ratios 8 and 16 against the full cache in float32), buffer 32, on 10 GSM8K
 # reasoning traces and 10 text windows of 1,024 tokens; the same with planted value outliers; transformers'
 # QuantizedCache (optimum-quanto) on the same sources; the full-precision window (kv_window) against today's rule;
 # decode cost side by side. Each run resumes if interrupted.
@@ -24,8 +24,8 @@ PLANT=(--plant-layers 4,12,20 --plant-tokens 8 --plant-scale 20)
 WINDOW=vase:kv_bits=4,vase:kv_bits=4:kv_window=16,vase:kv_bits=4:kv_window=32,vase:kv_bits=8,vase:kv_bits=8:kv_window=32
 COMMON=(--prompts 10 --tokens 1024 --buffer 32)
 case "${1:-}" in
-  gsm8k) $VASE fidelity --out runs/kvq-gsm8k --source gsm8k "${COMMON[@]}" --byte-ratios 4,8,16 --policies "$ALL" ;;
-  text)  $VASE fidelity --out runs/kvq-text --source "$TEXT" "${COMMON[@]}" --byte-ratios 4,8,16 --policies "$ALL" ;;
+  gsm8k) $VASE fidelity --out runs/kvq-gsm8k --source gsm8k "${COMMON[@]}" --byte-ratios 8,16 --policies "$ALL" ;;
+  text)  $VASE fidelity --out runs/kvq-text --source "$TEXT" "${COMMON[@]}" --byte-ratios 8,16 --policies "$ALL" ;;
   plant-gsm8k)
          mkdir -p runs/kvq-plant-gsm8k && cp -n runs/kvq-gsm8k/sources.jsonl runs/kvq-plant-gsm8k/
          $VASE fidelity --out runs/kvq-plant-gsm8k --source gsm8k "${COMMON[@]}" --byte-ratios 8,16 \

@@ -15,7 +15,8 @@ each label: the best evict-only configuration, the best quantize-only configurat
 the ratio (none may), and each evict + quantize configuration's paired difference to both (mean over the same sources
 ± standard error, and on how many sources it is lower); the configurations below both everywhere; finally each
 ``protect_precision=guard`` configuration against the same without it (paired). ``--summary``: one table of every
-label; ``--protect``: only the last table. Prints markdown.
+label; ``--protect``: only the last table; ``--window``: each ``kv_window`` configuration against the same without
+its window (paired). Prints markdown.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from vase.harness.stats import kl_text, mean_se, paired_diff
 def load(run: Path) -> tuple[dict, dict]:
     """``({(policy, byte ratio): {source: record}}, {policy: {source: record}})``: the byte-ratio records of the run,
     and its records of policies that keep every token (quantize-only: ``full`` with ``kv_bits``, and the
-    ``QuantizedCache`` records of ``hf_quantized.jsonl``), whose results do not depend on the ratio. Read once per
-    run folder (cached; the tables only read the dicts)."""
+    ``QuantizedCache`` records of ``hf_quantized.jsonl``), whose results do not depend on the ratio; only the sources
+    every configuration has (a run stopped part-way is compared on the sources it finished). Read once per run folder
+    (cached; the tables only read the dicts)."""
     sized: dict = {}
     whole: dict = {}
     for name in ("fidelity.jsonl", "hf_quantized.jsonl"):
@@ -51,6 +53,11 @@ def load(run: Path) -> tuple[dict, dict]:
                 whole.setdefault(r["policy"], {})[r["source"]] = r
             elif r.get("byte_ratio") is not None:
                 sized.setdefault((r["policy"], r["byte_ratio"]), {})[r["source"]] = r
+    # a run stopped part-way holds some sources for some configurations only: compare on the ones all of them have
+    groups = [*sized.values(), *whole.values()]
+    common = set.intersection(*(set(recs) for recs in groups)) if groups else set()
+    sized = {k: {src: r for src, r in recs.items() if src in common} for k, recs in sized.items()}
+    whole = {k: {src: r for src, r in recs.items() if src in common} for k, recs in whole.items()}
     return sized, whole
 
 
@@ -151,32 +158,57 @@ def unprotected(policy: str) -> str:
     return ":".join(p for p in policy.split(":") if not p.startswith(drop))
 
 
-def protect(runs: dict[str, Path], ratios: list[float]) -> list[str]:
-    """Does keeping the guard's entries unquantized pay? Per label, each ``protect_precision=guard`` configuration's
-    paired KL difference to the same without it (:func:`unprotected`), at each ratio of ``ratios`` (at its own
-    compression for quantize-only), with on how many sources it is lower."""
+def unwindowed(policy: str) -> str:
+    """The configuration a ``kv_window`` one is compared with: the same without its full-precision window."""
+    return ":".join(p for p in policy.split(":") if not p.startswith("kv_window="))
+
+
+def _paired(runs: dict[str, Path], ratios: list[float], option: str, base, title: str) -> list[str]:
+    """Each configuration with ``option`` against ``base(configuration)`` (the same without it), paired over the
+    sources per label and ratio of ``ratios`` (at its own compression for quantize-only): :func:`_vs`."""
     heads, cells = [], {}
     for label, run in runs.items():
         sized, whole = load(run)
         for r in ratios:
             heads.append(f"{label} {r:g}x")
             for (p, x), recs in sized.items():
-                if x == r and "protect_precision=guard" in p and (unprotected(p), r) in sized:
-                    cells.setdefault(p, {})[heads[-1]] = _vs(recs, sized[(unprotected(p), r)])
+                if x == r and option in p and (base(p), r) in sized:
+                    cells.setdefault(p, {})[heads[-1]] = _vs(recs, sized[(base(p), r)])
             for p, recs in whole.items():
-                if "protect_precision=guard" in p and unprotected(p) in whole:
-                    cells.setdefault(p, {})[heads[-1]] = _vs(recs, whole[unprotected(p)])
-    lines = [
-        "Keeping the guard's entries unquantized: KL with `protect_precision=guard` minus KL without (paired over "
-        "the sources ± s.e.; on how many it is lower; the median over the sources of KL with / KL without)",
-        "",
-        "| configuration | compared with | " + " | ".join(heads) + " |",
-        "|---|---|" + "---|" * len(heads),
-    ]
+                if option in p and base(p) in whole:
+                    cells.setdefault(p, {})[heads[-1]] = _vs(recs, whole[base(p)])
+    lines = [title, "", "| configuration | compared with | " + " | ".join(heads) + " |"]
+    lines.append("|---|---|" + "---|" * len(heads))
     for p in sorted(cells, key=lambda p: (kind(p), p)):
         row = [cells[p].get(h, "—") for h in heads]
-        lines.append(f"| `{p}` | `{unprotected(p)}` | " + " | ".join(row) + " |")
+        lines.append(f"| `{p}` | `{base(p)}` | " + " | ".join(row) + " |")
     return lines + [""]
+
+
+def protect(runs: dict[str, Path], ratios: list[float]) -> list[str]:
+    """Does keeping the guard's entries unquantized pay? Each ``protect_precision=guard`` configuration against the
+    same without it (:func:`unprotected`), with on how many sources it is lower."""
+    return _paired(
+        runs,
+        ratios,
+        "protect_precision=guard",
+        unprotected,
+        "Keeping the guard's entries unquantized: KL with `protect_precision=guard` minus KL without (paired over "
+        "the sources ± s.e.; on how many it is lower; the median over the sources of KL with / KL without)",
+    )
+
+
+def window(runs: dict[str, Path], ratios: list[float]) -> list[str]:
+    """Does a sliding full-precision window pay at equal bytes? Each ``kv_window`` configuration against the same
+    without it (:func:`unwindowed`)."""
+    return _paired(
+        runs,
+        ratios,
+        "kv_window=",
+        unwindowed,
+        "A full-precision window: KL with `kv_window` minus KL without (paired over the sources ± s.e.; on how many "
+        "it is lower; the median over the sources of KL with / KL without)",
+    )
 
 
 def _vs(mine: dict, ref: dict) -> str:
@@ -260,6 +292,7 @@ def main() -> None:
     ap.add_argument("--summary", action="store_true", help="only one table of every label at --ratios")
     ap.add_argument("--median", action="store_true", help="with --summary: median KL over the sources, not mean ± s.e.")
     ap.add_argument("--protect", action="store_true", help="only the protect_precision=guard paired differences")
+    ap.add_argument("--window", action="store_true", help="only the kv_window paired differences")
     args = ap.parse_args()
     runs = {}
     for a in args.runs:
@@ -272,6 +305,9 @@ def main() -> None:
         return
     if args.protect:
         print("\n".join(protect(runs, [float(x) for x in args.ratios.split(",")])))
+        return
+    if args.window:
+        print("\n".join(window(runs, [float(x) for x in args.ratios.split(",")])))
         return
     out = []
     for label, run in runs.items():

@@ -623,3 +623,37 @@ def test_kv_quant_table_answers_from_the_records(tmp_path):
     protect = "\n".join(mod.protect({"T": run}, [8.0]))
     # differences -0.005, +0.010, -0.015: mean -0.0033, lower on 2 of 3; ratios 0.5, 1.5, 0.5 -> median 0.5
     assert f"| `{pp}` | `vase:kv_bits=4` | -0.0033 ± 0.0073 (2/3; ×0.50) |" in protect
+
+
+def test_kv_quant_table_pairs_windows_on_the_sources_every_configuration_has(tmp_path):
+    """benchmarks/kv_quant_table.py --window: each kv_window configuration against the same without its window, paired;
+    a run stopped part-way (one configuration lacks the last source) is compared on the sources all configurations
+    have, in every table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kv_quant_table", Path(__file__).parents[2] / "benchmarks" / "kv_quant_table.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kls = {  # policy -> KL per source; the window configuration has not reached s3
+        "vase:kv_bits=4": [0.010, 0.020, 0.040, 0.900],
+        "vase:kv_bits=4:kv_window=16": [0.005, 0.030, 0.020],
+    }
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [
+        {"source": f"s{i}", "policy": p, "budget": 100, "byte_ratio": 8.0, "kl_mean": kl, "memory_compression": 6.5}
+        for p, v in kls.items()
+        for i, kl in enumerate(v)
+    ]
+    (run / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    mod.load.cache_clear()
+    summary = "\n".join(mod.summary({"T": run}, [8.0]))
+    assert "| evict + quantize | `vase:kv_bits=4` | 0.0233 ± 0.0088 |" in summary  # s0-s2 only, not s3's 0.9
+    assert "T 8x (3)" in summary
+    window = "\n".join(mod.window({"T": run}, [8.0]))
+    # differences -0.005, +0.010, -0.020: mean -0.0050, lower on 2 of 3; ratios 0.5, 1.5, 0.5 -> median 0.5
+    assert "| `vase:kv_bits=4:kv_window=16` | `vase:kv_bits=4` | -0.0050 ± 0.0087 (2/3; ×0.50) |" in window
