@@ -513,8 +513,8 @@ def assert_same_tokens(
     which a value guard ranks) are ordered by that rounding. Which copy is kept then differs, and a greedy step
     later can flip. Machines differ too (their kernels' reduction orders): each such parting seen was on one machine
     only, one after three evictions, one (a range guard with sampled selection) after the first. Before any eviction
-    both engines hold the same entries, so no row may part there. A bug in the integration (positions, the paged layout, the query ring, which rows evict) parts every row at
-    or right after its first eviction.
+    both engines hold the same entries, so no row may part there. A bug in the integration (positions, the paged
+    layout, the query ring, which rows evict) parts every row at or right after its first eviction.
     """
     parted = []
     for row, (g, (r, evicted_at)) in enumerate(zip(got, ref)):
