@@ -573,12 +573,9 @@ def test_fidelity_at_equal_bytes(tmp_path):
         assert redone[key]["kl_mean"] == r["kl_mean"] and redone[key]["budget"] == r["budget"], key
 
 
-def test_kv_quant_table_answers_from_the_records(tmp_path):
-    """benchmarks/kv_quant_table.py on hand-made records: the summary's means, the goal check's winners (a
-    quantize-only configuration qualifies only at its own compression), the protect table's paired differences and
-    median ratios."""
+def _kv_quant_table():
+    """benchmarks/kv_quant_table.py as a module (it is a script, not part of the package)."""
     import importlib.util
-    import json
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
@@ -586,6 +583,26 @@ def test_kv_quant_table_answers_from_the_records(tmp_path):
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    mod.load.cache_clear()  # a fresh record cache per test
+    return mod
+
+
+def _byte_ratio_records(kls: dict[str, list[float]]) -> list[dict]:
+    """Hand-made ``vase fidelity --byte-ratios 8`` records: ``kls`` maps a policy to its KL per source (``s0``...)."""
+    return [
+        {"source": f"s{i}", "policy": p, "budget": 100, "byte_ratio": 8.0, "kl_mean": kl, "memory_compression": 6.5}
+        for p, v in kls.items()
+        for i, kl in enumerate(v)
+    ]
+
+
+def test_kv_quant_table_answers_from_the_records(tmp_path):
+    """benchmarks/kv_quant_table.py on hand-made records: the summary's means, the goal check's winners (a
+    quantize-only configuration qualifies only at its own compression), the protect table's paired differences and
+    median ratios."""
+    import json
+
+    mod = _kv_quant_table()
     pp = "vase:kv_bits=4:protect_precision=guard:protect_share=0.05"
     kls = {  # policy -> KL per source (3 sources), at byte ratio 8
         "vase": [0.10, 0.20, 0.30],
@@ -594,11 +611,7 @@ def test_kv_quant_table_answers_from_the_records(tmp_path):
     }
     run = tmp_path / "run"
     run.mkdir()
-    recs = [
-        {"source": f"s{i}", "policy": p, "budget": 100, "byte_ratio": 8.0, "kl_mean": kl, "memory_compression": 6.5}
-        for p, v in kls.items()
-        for i, kl in enumerate(v)
-    ]
+    recs = _byte_ratio_records(kls)
     recs += [  # quantize-only at 6.4x: does not reach 8x
         {
             "source": f"s{i}",
@@ -629,28 +642,17 @@ def test_kv_quant_table_pairs_windows_on_the_sources_every_configuration_has(tmp
     """benchmarks/kv_quant_table.py --window: each kv_window configuration against the same without its window, paired;
     a run stopped part-way (one configuration lacks the last source) is compared on the sources all configurations
     have, in every table."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "kv_quant_table", Path(__file__).parents[2] / "benchmarks" / "kv_quant_table.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _kv_quant_table()
     kls = {  # policy -> KL per source; the window configuration has not reached s3
         "vase:kv_bits=4": [0.010, 0.020, 0.040, 0.900],
         "vase:kv_bits=4:kv_window=16": [0.005, 0.030, 0.020],
     }
     run = tmp_path / "run"
     run.mkdir()
-    recs = [
-        {"source": f"s{i}", "policy": p, "budget": 100, "byte_ratio": 8.0, "kl_mean": kl, "memory_compression": 6.5}
-        for p, v in kls.items()
-        for i, kl in enumerate(v)
-    ]
+    recs = _byte_ratio_records(kls)
     (run / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    mod.load.cache_clear()
     summary = "\n".join(mod.summary({"T": run}, [8.0]))
     assert "| evict + quantize | `vase:kv_bits=4` | 0.0233 ± 0.0088 |" in summary  # s0-s2 only, not s3's 0.9
     assert "T 8x (3)" in summary
