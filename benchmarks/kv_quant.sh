@@ -27,7 +27,9 @@ case "${1:-}" in
   gsm8k) $VASE fidelity --out runs/kvq-gsm8k --source gsm8k "${COMMON[@]}" --byte-ratios 8,16 --policies "$ALL" ;;
   text)  $VASE fidelity --out runs/kvq-text --source "$TEXT" "${COMMON[@]}" --byte-ratios 8,16 --policies "$ALL" ;;
   plant-gsm8k)
-         mkdir -p runs/kvq-plant-gsm8k && cp -n runs/kvq-gsm8k/sources.jsonl runs/kvq-plant-gsm8k/
+         # the traces of the gsm8k run when it exists (else this run generates the same ones itself)
+         mkdir -p runs/kvq-plant-gsm8k
+         if [ -f runs/kvq-gsm8k/sources.jsonl ]; then cp -n runs/kvq-gsm8k/sources.jsonl runs/kvq-plant-gsm8k/; fi
          $VASE fidelity --out runs/kvq-plant-gsm8k --source gsm8k "${COMMON[@]}" --byte-ratios 8,16 \
            --policies "$PLANTED" "${PLANT[@]}" ;;
   plant-text)
