@@ -70,9 +70,10 @@ def run_one(args) -> dict:
         kw = vase.vllm.engine_args("vase", budget=args.budget, buffer=args.buffer)
         blocks = -(-args.requests * (args.budget + args.buffer + 128) // 32)  # each request's cap, with its prompt
     else:
-        # every request whole, and at least one of the longest (vLLM checks it at start), in stock vLLM's own blocks
+        # every request whole, and at least one of the longest (vLLM checks it at start; its pool keeps one block
+        # back, the null block), in stock vLLM's own blocks
         bs = STOCK_BLOCK
-        kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // bs) + args.requests, 4096 // bs)
+        kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // bs) + args.requests, 4096 // bs + 1)
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
