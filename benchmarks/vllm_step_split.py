@@ -36,6 +36,7 @@ from pathlib import Path
 
 from vllm_serving import FAST_ENV, ROOT, STOCK_BLOCK, child_result, prompts
 
+MAX_MODEL_LEN = 4096  # both engines' model length (prompts and --steps stay well inside it)
 PARTS = ("forward", "vase", "sampler", "rest")
 
 
@@ -73,14 +74,14 @@ def run_one(args) -> dict:
         # every request whole, and at least one of the longest (vLLM checks it at start; its pool keeps one block
         # back, the null block), in stock vLLM's own blocks
         bs = STOCK_BLOCK
-        kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // bs) + args.requests, 4096 // bs + 1)
+        kw, blocks = {}, max(-(-args.requests * (args.steps + 128) // bs) + args.requests, MAX_MODEL_LEN // bs + 1)
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
         enforce_eager=True,
         seed=0,
         max_num_seqs=max(64, args.requests),
-        max_model_len=4096,
+        max_model_len=MAX_MODEL_LEN,
         num_gpu_blocks_override=blocks,
         gpu_memory_utilization=0.3,  # vLLM CPU checks this share of memory is free: two engines share it
         **kw,
